@@ -1,0 +1,101 @@
+"""Chat templates: the GGUF's own ``tokenizer.chat_template``, rendered in jinja2's sandbox.
+
+A chat template is code shipped inside a model file, so it is untrusted
+(CVE-2024-34359 ran shell commands from one). It renders in jinja2's
+ImmutableSandboxedEnvironment: attribute access to Python internals raises
+SecurityError before anything runs, and the template cannot mutate its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import json
+from datetime import datetime
+from functools import cached_property
+from typing import Any, TypedDict
+
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from edgeinfer.errors import TemplateError
+
+
+class Message(TypedDict):
+    """One chat turn: ``{"role": "system"|"user"|"assistant", "content": "..."}``."""
+
+    role: str
+    content: str
+
+
+# Used when a model ships no template; ChatML is what most small instruct models expect.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call raise_exception() to reject conversations they cannot format.
+    raise TemplateError(f"the chat template rejected the conversation: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # jinja2's own tojson HTML-escapes quotes and non-ASCII, which corrupts tool schemas.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class ChatTemplate:
+    """A compiled, sandboxed chat template.
+
+    ``bos_token`` and ``eos_token`` are exposed to the template as Hugging Face does;
+    the rendered text is tokenized with special-token parsing, so do not add BOS again.
+    """
+
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
+        self.source = source or CHATML_TEMPLATE
+        self.is_default = source is None or not source.strip()
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        env.filters["tojson"] = _tojson
+        try:
+            return env.from_string(self.source)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the model's chat template does not compile: {_one_line(exc)}") from None
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` to the prompt text the model was trained on."""
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                raise TemplateError(f"message {i} must be a mapping with 'role' and 'content' keys")
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+            )
+        except SecurityError as exc:
+            raise TemplateError(
+                f"the chat template tried to reach Python internals and was stopped ({_one_line(exc)}); "
+                "this model file is unsafe: use a model from a source you trust"
+            ) from None
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the chat template failed to render: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,247 @@
+"""The ``edgeinfer`` command: run, info, list, pull.
+
+Output is for people by default and JSON with ``--json``. Every user error is
+one line on stderr (``error: ...``) and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.kv import DEFAULT_KV_BUDGET, POLICIES
+from edgeinfer.models.catalog import DEFAULT_MODEL
+from edgeinfer.models.info import KV_TYPE_BYTES
+from edgeinfer.sampling import SamplingParams
+
+_SAMPLING = SamplingParams()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _user_errors(fn: F) -> F:
+    """Turn the errors a user can fix into one line on stderr."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except EdgeInferError as exc:
+            _fail(str(exc))
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:  # `edgeinfer run ... | head`
+            sys.exit(0)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="edgeinfer")
+def main() -> None:
+    """Run small GGUF language models on this machine."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf")
+@click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
+@click.option("--system", "system_prompt", help="System prompt.")
+@click.option("--max-tokens", type=int, default=_SAMPLING.max_tokens, show_default=True)
+@click.option("--temperature", type=float, default=_SAMPLING.temperature, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=float, default=_SAMPLING.top_p, show_default=True)
+@click.option("--top-k", type=int, default=_SAMPLING.top_k, show_default=True, help="0 switches it off.")
+@click.option("--min-p", type=float, default=_SAMPLING.min_p, show_default=True)
+@click.option("--repeat-penalty", type=float, default=_SAMPLING.repetition_penalty, show_default=True, help="1 switches it off.")
+@click.option("--seed", type=int, help="Same seed, same text.")
+@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
+@click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True, help="KV cache cap: bytes ('64MB') or tokens ('512tok').")
+@click.option("--kv-policy", type=click.Choice(POLICIES), default="sinks", show_default=True, help="What to do when the KV cache fills.")
+@click.option("--kv-type", type=click.Choice(tuple(KV_TYPE_BYTES)), default="f16", show_default=True, help="KV cache element type.")
+@click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@click.option("--stats", is_flag=True, help="Print timings and KV use to stderr afterwards.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
+@click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of as it is generated.")
+@click.option("--force", is_flag=True, help="Load even if the model does not seem to fit in RAM.")
+@_user_errors
+def run(
+    prompt: str | None,
+    model: str,
+    backend: str,
+    system_prompt: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    repeat_penalty: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    kv_budget: str,
+    kv_policy: str,
+    kv_type: str,
+    threads: int | None,
+    stats: bool,
+    as_json: bool,
+    no_stream: bool,
+    force: bool,
+) -> None:
+    """Answer PROMPT (or standard input) with a local model."""
+    from edgeinfer.engine import Engine
+
+    if prompt is None:
+        if sys.stdin.isatty():
+            _fail("no prompt: pass it as an argument or on standard input")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        _fail("the prompt is empty: pass some text as an argument or on standard input")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repeat_penalty,
+        seed=seed,
+        stop=stop,
+    )
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    engine = Engine(
+        model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
+    )
+    with engine:
+        stream = engine.stream(messages, params)
+        if as_json or no_stream:
+            for _ in stream:
+                pass
+        else:
+            for piece in stream:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        result = stream.result
+        assert result is not None
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+        elif no_stream:
+            click.echo(result.text)
+        else:
+            click.echo()
+        if stats:
+            click.echo(f"{'model':>9}: {result.model} on {result.backend} ({engine.threads} threads)", err=True)
+            click.echo(f"{'route':>9}: {result.route}", err=True)
+            click.echo(f"{'finish':>9}: {result.finish_reason}", err=True)
+            click.echo(result.metrics.format(), err=True)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_user_errors
+def info(model: str | None, as_json: bool) -> None:
+    """This machine (CPU features, RAM, backends) and, given MODEL, its metadata."""
+    from edgeinfer.backends import backend_status
+    from edgeinfer.models.catalog import resolve_model
+    from edgeinfer.models.info import load_model_info
+    from edgeinfer.system import available_ram, cpu_features, free_cores, usable_cores
+
+    report: dict[str, Any] = {
+        "cpu_features": cpu_features(),
+        "cores": usable_cores(),
+        "free_cores": free_cores(),
+        "ram_available_bytes": available_ram(),
+        "backends": backend_status(),
+    }
+    if model is not None:
+        meta = load_model_info(resolve_model(model, download=False))
+        report["model"] = {
+            "path": str(meta.path),
+            "name": meta.name,
+            "architecture": meta.architecture,
+            "file_size_bytes": meta.file_size,
+            "layers": meta.n_layer,
+            "embedding": meta.n_embd,
+            "heads": meta.n_head,
+            "kv_heads": max(meta.n_head_kv),
+            "head_dim": meta.head_dim_k,
+            "context_length": meta.n_ctx_train,
+            "vocab_size": meta.n_vocab,
+            "tensor_types": meta.tensor_types,
+            "kv_bytes_per_token_f16": meta.kv_bytes_per_token("f16"),
+            "chat_template": "built in" if meta.chat_template else "none (ChatML is used)",
+        }
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    mib = 2**20
+    click.echo(f"CPU features:  {' '.join(report['cpu_features']) or 'unknown'}")
+    click.echo(f"cores:         {report['cores']} usable, {report['free_cores']} free now")
+    click.echo(f"RAM available: {report['ram_available_bytes'] / mib:,.0f} MiB")
+    for name, state in report["backends"].items():
+        click.echo(f"backend {name}: {state}")
+    if model is not None:
+        m = report["model"]
+        click.echo(f"\nmodel:         {m['name']} ({m['architecture']})")
+        click.echo(f"file:          {m['path']} ({m['file_size_bytes'] / mib:,.1f} MiB)")
+        click.echo(
+            f"shape:         {m['layers']} layers, hidden {m['embedding']}, {m['heads']} heads, "
+            f"{m['kv_heads']} KV heads, head dim {m['head_dim']}, vocab {m['vocab_size']:,}"
+        )
+        click.echo(f"context:       {m['context_length']:,} tokens; KV {m['kv_bytes_per_token_f16']:,.0f} bytes/token (f16)")
+        click.echo(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in sorted(m['tensor_types'].items()))}")
+        click.echo(f"chat template: {m['chat_template']}")
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@_user_errors
+def list_(as_json: bool) -> None:
+    """The model catalog and the models already on disk."""
+    from edgeinfer.models.catalog import list_models
+
+    listings = list_models()
+    if as_json:
+        rows = [
+            {
+                "name": m.name,
+                "description": m.description,
+                "path": str(m.path) if m.path else None,
+                "size_bytes": m.size_bytes,
+                "in_catalog": m.in_catalog,
+            }
+            for m in listings
+        ]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max((len(m.name) for m in listings), default=4)
+    click.echo(f"{'NAME':<{width}}  {'SIZE':>9}  {'ON DISK':<7}  DESCRIPTION")
+    for m in listings:
+        size = f"{m.size_bytes / 2**20:,.1f} MiB" if m.size_bytes else "?"
+        click.echo(f"{m.name:<{width}}  {size:>9}  {'yes' if m.path else 'no':<7}  {m.description}")
+
+
+@main.command()
+@click.argument("model")
+@_user_errors
+def pull(model: str) -> None:
+    """Download MODEL (catalog alias or hf:ORG/REPO/FILE.gguf) into the Hugging Face cache."""
+    from edgeinfer.models.catalog import pull as pull_model
+
+    path = pull_model(model)
+    click.echo(str(path))

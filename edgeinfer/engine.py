@@ -1,0 +1,418 @@
+"""The engine: one decode loop, one sampler, one KV policy and one metrics path for every backend.
+
+    engine = Engine()                                  # the default model, best backend here
+    print(engine.chat([{"role": "user", "content": "Hi"}]).text)
+    for piece in engine.stream("Once upon a time", max_tokens=50):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Literal
+
+from edgeinfer.backends import backend_class
+from edgeinfer.backends.base import Backend, BackendOptions
+from edgeinfer.chat import ChatTemplate, Message
+from edgeinfer.errors import ContextFull, EdgeInferError, InvalidOptionError
+from edgeinfer.kv import DEFAULT_KV_BUDGET, KVBudget, KVPolicy
+from edgeinfer.metrics import Metrics
+from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
+from edgeinfer.models.info import ModelInfo, load_model_info
+from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.system import check_memory, default_threads, estimate_memory
+from edgeinfer.textstream import TextStream
+from edgeinfer.tokenizer import Tokenizer
+
+FinishReason = Literal["stop", "length", "cancelled"]
+Prompt = str | Sequence[Message]
+
+
+@dataclass
+class Result:
+    """One finished generation.
+
+    ``finish_reason``: ``stop`` (end-of-generation token or a stop string),
+    ``length`` (``max_tokens`` reached) or ``cancelled``.
+    """
+
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    metrics: Metrics
+    model: str
+    backend: str
+    route: str = "local"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "model": self.model,
+            "backend": self.backend,
+            "route": self.route,
+            "tokens": self.tokens,
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+class Stream(Iterator[str]):
+    """Text chunks as they are generated; ``result`` once the iteration has ended.
+
+    ``cancel()`` may be called from any thread: the generation stops after the
+    token in progress and finishes with ``finish_reason == "cancelled"``.
+    """
+
+    def __init__(self, chunks: Generator[str, None, Result], cancel: threading.Event) -> None:
+        self._chunks = chunks
+        self._cancel = cancel
+        self.result: Result | None = None
+
+    def __next__(self) -> str:
+        try:
+            return next(self._chunks)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        """Stop now and release the engine (also what leaving a ``with`` block does)."""
+        self._chunks.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStream(AsyncIterator[str]):
+    """The async twin of Stream: the decode loop runs in a worker thread.
+
+    Cancelling the consuming task, or ``aclose()``, cancels the generation too.
+    """
+
+    _END = object()
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+        self._queue: asyncio.Queue[object] | None = None
+        self._worker: asyncio.Future[None] | None = None
+
+    @property
+    def result(self) -> Result | None:
+        return self._stream.result
+
+    def _pump(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
+        try:
+            for chunk in self._stream:
+                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            loop.call_soon_threadsafe(queue.put_nowait, self._END)
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    async def __anext__(self) -> str:
+        if self._queue is None:
+            loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            self._worker = loop.run_in_executor(None, self._pump, loop, self._queue)
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self._stream.cancel()
+            raise
+        if item is self._END or isinstance(item, BaseException):
+            await self._worker  # type: ignore[misc]
+            if isinstance(item, BaseException):
+                raise item
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    async def aclose(self) -> None:
+        self._stream.cancel()
+        if self._worker is not None:
+            while True:  # drain so the worker can finish
+                item = await self._queue.get()  # type: ignore[union-attr]
+                if item is self._END or isinstance(item, BaseException):
+                    break
+            await self._worker
+
+
+class Engine:
+    """A model loaded on a backend, with a fixed-budget KV cache.
+
+    Args:
+        model: a ``.gguf`` path, a catalog alias (``edgeinfer list``) or ``hf:ORG/REPO/FILE.gguf``.
+        backend: a backend name, or ``"auto"`` for the best one that runs here.
+        kv_budget: the KV cache cap, in bytes (``"64MB"``, or an int) or tokens (``"512tok"``).
+        kv_policy: ``"sinks"``, ``"shift"`` or ``"error"`` (see ``KVPolicy``), or a ``KVPolicy``.
+        kv_type: KV element type, ``"f16"`` or ``"q8_0"`` where the backend supports it.
+        threads: CPU threads; default: the cores that are free right now.
+        batch_size: most prompt tokens evaluated in one step.
+        force: load even if the memory estimate says it will not fit.
+
+    One engine serves one generation at a time; calls from other threads wait their turn.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = DEFAULT_MODEL,
+        *,
+        backend: str = "auto",
+        kv_budget: str | int | KVBudget = DEFAULT_KV_BUDGET,
+        kv_policy: str | KVPolicy = "sinks",
+        kv_type: str = "f16",
+        threads: int | None = None,
+        batch_size: int = 512,
+        force: bool = False,
+    ) -> None:
+        backend_cls = backend_class(backend)
+        self.kv_budget = KVBudget.parse(kv_budget)
+        self.kv_policy = KVPolicy.parse(kv_policy)
+        if kv_type not in backend_cls.kv_types:
+            raise InvalidOptionError(
+                f"KV type {kv_type!r} is not supported by the {backend_cls.name} backend; "
+                f"choose one of {', '.join(backend_cls.kv_types)}"
+            )
+        if threads is not None and threads < 1:
+            raise InvalidOptionError(f"threads must be at least 1, got {threads}")
+        if batch_size < 1:
+            raise InvalidOptionError(f"batch_size must be at least 1, got {batch_size}")
+        self.model_path = resolve_model(model)
+        self.info: ModelInfo = load_model_info(self.model_path)
+        block = backend_cls.kv_block
+        wanted = min(self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.n_ctx_train)
+        check_memory(estimate_memory(self.info, -(-wanted // block) * block, kv_type, batch_size), force=force)
+
+        self.threads = threads or default_threads()
+        self.kv_type = kv_type
+        self.tokenizer = Tokenizer(self.model_path)
+        self.template = ChatTemplate(
+            self.info.chat_template,
+            bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
+            eos_token=self.tokenizer.token_text(self.tokenizer.eos_id),
+        )
+        self.backend: Backend = backend_cls(
+            self.info, BackendOptions(kv_tokens=wanted, kv_type=kv_type, threads=self.threads, batch_size=batch_size)
+        )
+        self.capacity = min(wanted, self.backend.capacity)
+        self._cached: list[int] = []  # the tokens in the backend's KV cache, by position
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def generate(self, prompt: str, params: SamplingParams | None = None, **options: Any) -> Result:
+        """Complete raw ``prompt`` text (no chat template)."""
+        return _drain(self.stream(prompt, params, **options))
+
+    def chat(self, messages: Sequence[Message], params: SamplingParams | None = None, **options: Any) -> Result:
+        """Answer the conversation ``messages`` through the model's chat template."""
+        return _drain(self.stream(messages, params, **options))
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> Stream:
+        """Stream text chunks. A string is completed raw; a list of messages is chatted.
+
+        Sampling options (``max_tokens``, ``temperature``, ``seed``, ``stop``, ...) are the
+        fields of ``SamplingParams`` and override ``params``.
+        """
+        params = dataclasses.replace(params or SamplingParams(), **options) if options else params or SamplingParams()
+        cancel = threading.Event()
+        return Stream(self._run(prompt, params, cancel), cancel)
+
+    async def agenerate(self, prompt: str, params: SamplingParams | None = None, **options: Any) -> Result:
+        """Async ``generate``; cancelling the awaiting task cancels the generation."""
+        return await _adrain(self.astream(prompt, params, **options))
+
+    async def achat(self, messages: Sequence[Message], params: SamplingParams | None = None, **options: Any) -> Result:
+        """Async ``chat``; cancelling the awaiting task cancels the generation."""
+        return await _adrain(self.astream(messages, params, **options))
+
+    def astream(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> AsyncStream:
+        """Async ``stream``: ``async for piece in engine.astream(...)``."""
+        return AsyncStream(self.stream(prompt, params, **options))
+
+    def render(self, messages: Sequence[Message]) -> str:
+        """The prompt text the chat template makes of ``messages``."""
+        return self.template.render(messages)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids the engine feeds the model for ``prompt``."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        text = self.render(prompt)
+        bos = self.tokenizer.token_text(self.tokenizer.bos_id)
+        # A template that writes BOS itself must not get a second one.
+        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+
+    def reset(self) -> None:
+        """Forget the cached conversation."""
+        with self._hold():
+            self.backend.truncate(0)
+            self._cached.clear()
+
+    @property
+    def kv_used(self) -> int:
+        return len(self._cached)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.tokenizer.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the decode loop -----------------------------------------------------------------------
+
+    def _run(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Generator[str, None, Result]:
+        with self._hold():
+            start = perf_counter()
+            m = Metrics(kv_capacity=self.capacity)
+            tokens = self.tokenize(prompt)
+            m.tokenize_s = perf_counter() - start
+            try:
+                result = yield from self._decode(tokens, params, cancel, m, start)
+            except (ContextFull, GeneratorExit):
+                raise
+            except BaseException:
+                # A backend that failed mid-evaluation may hold a partial batch: start clean.
+                self.backend.truncate(0)
+                self._cached.clear()
+                raise
+            return result
+
+    def _decode(
+        self, prompt: list[int], params: SamplingParams, cancel: threading.Event, m: Metrics, start: float
+    ) -> Generator[str, None, Result]:
+        cached, backend, tokenizer = self._cached, self.backend, self.tokenizer
+        sampler = Sampler(params)
+        text = TextStream(params.stop)
+        budget = str(self.kv_budget)
+        reserve = min(params.max_tokens, self.capacity // 4)
+        prompt = self.kv_policy.fit_prompt(prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=budget)
+        m.prompt_tokens = len(prompt)
+
+        # Reuse the cached prefix (a chat's earlier turns); the last prompt token is always
+        # evaluated, since its logits pick the first new token.
+        reuse = min(_common_prefix(cached, prompt), len(prompt) - 1)
+        backend.truncate(reuse)
+        del cached[reuse:]
+        m.cached_tokens = reuse
+        t = perf_counter()
+        logits = backend.eval(prompt[reuse:], reuse)
+        cached.extend(prompt[reuse:])
+        m.prefill_s = perf_counter() - t
+
+        output: list[int] = []
+        finish: FinishReason = "length"
+        try:
+            while True:
+                t = perf_counter()
+                token = sampler(logits, cached)
+                t_sampled = perf_counter()
+                m.sample_s += t_sampled - t
+                if not output:
+                    m.ttft_s = t_sampled - start
+                if not params.ignore_eos and tokenizer.is_end_of_generation(token):
+                    finish = "stop"
+                    break
+                output.append(token)
+                chunk = text.push(tokenizer.piece(token))
+                m.detokenize_s += perf_counter() - t_sampled
+                if chunk:
+                    yield chunk
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if len(output) >= params.max_tokens:
+                    break
+                if cancel.is_set():
+                    finish = "cancelled"
+                    break
+                if len(cached) + 1 > self.capacity:
+                    self._make_room(1, m)
+                t = perf_counter()
+                logits = backend.eval((token,), len(cached))
+                cached.append(token)
+                m.decode_s += perf_counter() - t
+        except ContextFull as exc:
+            raise ContextFull(str(exc), partial=text.text) from None
+        tail = text.flush()
+        if tail:
+            yield tail
+        m.output_tokens = len(output)
+        m.total_s = perf_counter() - start
+        m.kv_used = len(cached)
+        return Result(text.text, output, finish, m, self.info.name, backend.name)
+
+    def _make_room(self, n_incoming: int, m: Metrics) -> None:
+        start, end = self.kv_policy.eviction(
+            len(self._cached), n_incoming, self.capacity, has_bos=self.tokenizer.add_bos, budget=str(self.kv_budget)
+        )
+        self.backend.evict(start, end)
+        del self._cached[start:end]
+        m.kv_evicted += end - start
+
+    def _hold(self) -> _EngineLock:
+        return _EngineLock(self)
+
+
+class _EngineLock:
+    """The engine's lock, which refuses re-entry from its own thread instead of deadlocking."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __enter__(self) -> None:
+        engine = self._engine
+        if engine._owner == threading.get_ident():
+            raise EdgeInferError(
+                "this engine is already generating in this thread; finish or close the other stream first"
+            )
+        engine._lock.acquire()
+        engine._owner = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self._engine._owner = None
+        self._engine._lock.release()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _drain(stream: Stream) -> Result:
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
+
+
+async def _adrain(stream: AsyncStream) -> Result:
+    try:
+        async for _ in stream:
+            pass
+    except asyncio.CancelledError:
+        await stream.aclose()
+        raise
+    assert stream.result is not None
+    return stream.result

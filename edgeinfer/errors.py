@@ -1,0 +1,54 @@
+"""The errors edgeinfer raises on purpose.
+
+Every one carries a single-line message that names the problem and the fix;
+the CLI prints it as ``error: <message>`` and exits non-zero.
+"""
+
+from __future__ import annotations
+
+
+class EdgeInferError(Exception):
+    """Base class: a problem the user can fix, described in one line."""
+
+
+class ModelNotFoundError(EdgeInferError):
+    """The model path, alias or hf: reference does not lead to a file."""
+
+
+class InvalidModelError(EdgeInferError):
+    """The file is not a GGUF model edgeinfer can load (bad magic, truncated, missing keys)."""
+
+
+class DownloadError(EdgeInferError):
+    """A model could not be downloaded (no network, unknown repo or file)."""
+
+
+class BackendUnavailableError(EdgeInferError):
+    """The requested backend cannot run here (not installed, or its native build faults)."""
+
+
+class InsufficientMemoryError(EdgeInferError):
+    """Loading the model would not fit in the RAM that is available."""
+
+
+class TemplateError(EdgeInferError):
+    """The chat template failed to render or tried to escape the sandbox."""
+
+
+class ContextFull(EdgeInferError):
+    """The KV cache is full and the policy is ``error``.
+
+    ``partial`` holds the text generated before the cache filled, if any.
+    """
+
+    def __init__(self, message: str, partial: str = "") -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class InvalidOptionError(EdgeInferError, ValueError):
+    """An option is out of range or malformed (a sampling parameter, a KV budget, a thread count)."""
+
+
+class BackendError(EdgeInferError):
+    """A backend failed while loading or evaluating (a native error code, out of memory)."""

@@ -1,0 +1,142 @@
+"""The fixed-budget KV cache: how many tokens a budget buys, and what happens when it fills.
+
+The engine owns this; backends only allocate the capacity they are given and
+remove or shift ranges when the policy says so.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from edgeinfer.errors import ContextFull, InvalidOptionError
+
+DEFAULT_KV_BUDGET = "4096tok"
+PolicyName = Literal["sinks", "shift", "error"]
+POLICIES: tuple[PolicyName, ...] = ("sinks", "shift", "error")
+
+# StreamingLLM keeps 4 attention-sink tokens; fewer lets perplexity explode once the start is evicted.
+STREAMING_SINKS = 4
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(tok|tokens|[kmg]i?b|b)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """A cap on the KV cache, either in bytes or in tokens (exactly one is set)."""
+
+    bytes: int | None = None
+    tokens: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens" if self.tokens is not None else _format_bytes(self.bytes or 0)
+
+    @classmethod
+    def parse(cls, value: str | int | KVBudget) -> KVBudget:
+        """``"64MB"``, ``"1.5GiB"``, ``"512tok"``; a bare int is a byte count."""
+        if isinstance(value, KVBudget):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = str(value)
+        elif isinstance(value, str):
+            text = value
+        else:
+            raise InvalidOptionError(f"kv_budget must be a string such as '64MB' or '512tok', got {value!r}")
+        match = _BUDGET.match(text)
+        if not match:
+            raise InvalidOptionError(f"cannot read KV budget {value!r}: use bytes such as '64MB' or tokens such as '512tok'")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        if unit in ("tok", "tokens"):
+            budget = cls(tokens=int(number))
+        else:
+            budget = cls(bytes=int(number * _UNITS[unit]))
+        if not (budget.tokens or budget.bytes):
+            raise InvalidOptionError(f"KV budget {value!r} is zero; give a positive size such as '64MB' or '512tok'")
+        return budget
+
+    def capacity(self, bytes_per_token: float, block: int) -> int:
+        """Tokens this budget holds when the backend allocates KV in multiples of ``block`` tokens.
+
+        A byte budget rounds down to whole blocks, so the real allocation never exceeds it.
+        A token budget is the caller's exact limit even if the backend pads its allocation.
+        """
+        if self.tokens is not None:
+            return self.tokens
+        fits = int((self.bytes or 0) // bytes_per_token)
+        tokens = fits // block * block
+        if tokens < block:
+            raise InvalidOptionError(
+                f"KV budget {self} holds {fits} tokens, less than the backend's allocation unit of {block} tokens "
+                f"({_format_bytes(int(block * bytes_per_token))}); raise --kv-budget"
+            )
+        return tokens
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """What to do when the cache is full.
+
+    - ``sinks`` (StreamingLLM): keep the first ``n_keep`` tokens (default 4 attention sinks) and the
+      most recent window; drop the oldest quarter of the window at a time.
+    - ``shift`` (llama-server's context shift): keep the first ``n_keep`` tokens (default 0, plus BOS)
+      and drop half of the rest (``n_discard`` overrides).
+    - ``error``: raise ContextFull.
+    """
+
+    name: PolicyName = "sinks"
+    n_keep: int | None = None
+    n_discard: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise InvalidOptionError(f"unknown KV policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+        if (self.n_keep is not None and self.n_keep < 0) or (self.n_discard is not None and self.n_discard < 1):
+            raise InvalidOptionError("KV policy n_keep must be >= 0 and n_discard >= 1")
+
+    @classmethod
+    def parse(cls, value: str | KVPolicy) -> KVPolicy:
+        return value if isinstance(value, KVPolicy) else cls(value)  # type: ignore[arg-type]
+
+    def keep(self, has_bos: bool) -> int:
+        if self.n_keep is not None:
+            return self.n_keep
+        return STREAMING_SINKS if self.name == "sinks" else int(has_bos)
+
+    def eviction(self, n_cached: int, n_incoming: int, capacity: int, *, has_bos: bool, budget: str) -> tuple[int, int]:
+        """The range [start, end) to evict so ``n_incoming`` more tokens fit after ``n_cached``."""
+        needed = n_cached + n_incoming - capacity
+        if self.name == "error":
+            raise ContextFull(
+                f"KV cache full: {n_cached} + {n_incoming} tokens exceed the budget of {capacity} tokens ({budget}); "
+                "raise --kv-budget or choose --kv-policy sinks or shift"
+            )
+        keep = min(self.keep(has_bos), capacity - n_incoming - 1)
+        window = n_cached - keep
+        chunk = self.n_discard or (window // 4 if self.name == "sinks" else window // 2)
+        drop = min(max(needed, chunk, 1), window)
+        return keep, keep + drop
+
+    def fit_prompt(self, tokens: list[int], capacity: int, reserve: int, *, has_bos: bool, budget: str) -> list[int]:
+        """A prompt that does not fit keeps its head (``n_keep``) and its newest tail.
+
+        ``reserve`` tokens stay free for the answer.
+        """
+        room = capacity - reserve
+        if len(tokens) <= room:
+            return tokens
+        if self.name == "error":
+            raise ContextFull(
+                f"the prompt is {len(tokens)} tokens but the KV budget holds {capacity} ({budget}) "
+                f"with {reserve} kept for the answer; raise --kv-budget or choose --kv-policy sinks or shift"
+            )
+        keep = min(self.keep(has_bos), room // 2)
+        return tokens[:keep] + tokens[len(tokens) - (room - keep) :]
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,69 @@
+"""Per-call timings and counters: one path, filled by the engine for every backend."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Metrics:
+    """Where the time of one call went, and how full the KV cache is.
+
+    Stage times are wall-clock seconds spent in that stage alone: ``prefill_s`` and
+    ``decode_s`` are the backend's evaluations, ``sample_s`` the sampler and
+    ``detokenize_s`` the incremental detokenizer. ``ttft_s`` runs from the call
+    to the first sampled token; ``tpot_s`` is the mean gap between later tokens.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the previous call's KV cache
+    output_tokens: int = 0
+    tokenize_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    detokenize_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    kv_evicted: int = 0  # tokens dropped by the KV policy during this call
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        return (self.total_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput as the caller sees it (1 / tpot)."""
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = asdict(self)
+        out.update(tpot_s=self.tpot_s, tokens_per_s=self.tokens_per_s, prefill_tokens_per_s=self.prefill_tokens_per_s)
+        return out
+
+    def format(self) -> str:
+        """A short human-readable block, as ``edgeinfer run --stats`` prints it."""
+        ms = 1000.0
+        rows = [
+            ("tokens", f"{self.prompt_tokens} prompt ({self.cached_tokens} cached), {self.output_tokens} generated"),
+            ("TTFT", f"{self.ttft_s * ms:.1f} ms"),
+            ("decode", f"{self.tokens_per_s:.1f} tok/s ({self.tpot_s * ms:.2f} ms/token)"),
+            ("prefill", f"{self.prefill_tokens_per_s:.1f} tok/s"),
+            (
+                "stages",
+                f"tokenize {self.tokenize_s * ms:.1f} ms, prefill {self.prefill_s * ms:.1f} ms, "
+                f"decode {self.decode_s * ms:.1f} ms, sample {self.sample_s * ms:.1f} ms, "
+                f"detokenize {self.detokenize_s * ms:.1f} ms",
+            ),
+            ("KV cache", f"{self.kv_used}/{self.kv_capacity} tokens, {self.kv_evicted} evicted"),
+            ("total", f"{self.total_s * ms:.1f} ms"),
+        ]
+        return "\n".join(f"{name:>9}: {value}" for name, value in rows)

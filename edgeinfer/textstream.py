@@ -1,0 +1,68 @@
+"""Token bytes to displayable text: whole UTF-8 characters only, stop strings never shown."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+
+class TextStream:
+    """Incremental detokenizer with stop-string hold-back.
+
+    ``push`` returns the text that is now safe to show: a multi-byte character
+    split across tokens waits for its last byte, and a tail that could be the
+    start of a stop string waits until it either completes the stop string
+    (then it is dropped and ``stopped`` turns true) or diverges from it.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""
+        self.text = ""
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        """Feed one token's bytes; return the newly displayable text."""
+        if self.stopped:
+            return ""
+        return self._emit(self._held + self._decoder.decode(piece))
+
+    def flush(self) -> str:
+        """End of generation: release whatever was held back."""
+        if self.stopped:
+            return ""
+        tail = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        cut = self._find_stop(tail)
+        if cut is not None:
+            self.stopped = True
+            tail = tail[:cut]
+        self.text += tail
+        return tail
+
+    def _emit(self, pending: str) -> str:
+        cut = self._find_stop(pending)
+        if cut is not None:
+            self.stopped = True
+            self._held = ""
+            out = pending[:cut]
+        else:
+            hold = self._partial_stop_len(pending)
+            out, self._held = pending[: len(pending) - hold], pending[len(pending) - hold :]
+        self.text += out
+        return out
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,1 @@
+"""Model files: the catalog of aliases, GGUF metadata and architecture facts."""

@@ -1,0 +1,234 @@
+"""A bounds-checked reader for the GGUF header: metadata and the tensor directory.
+
+Weights are never read. gguf-py's GGUFReader builds a numpy array for every
+vocabulary string (6 s for a 49k vocab), and trusts lengths and counts it reads;
+this reader only walks past large arrays and checks every length against the
+bytes left before it is used, so malformed files fail here with one line instead
+of reaching native code.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from edgeinfer.errors import InvalidModelError, ModelNotFoundError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+# Arrays longer than this (vocabularies, merges) are walked over, not decoded.
+MAX_DECODED_ARRAY = 256
+
+_U64 = struct.Struct("<Q")
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A metadata array too long to keep in memory (e.g. the vocabulary): its type and length."""
+
+    element_type: GGUFValueType
+    count: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor directory. ``shape`` is in ggml order (fastest dimension first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: GGMLQuantizationType
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Everything in a GGUF file except the weights."""
+
+    path: Path
+    version: int
+    file_size: int
+    metadata: dict[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    data_offset: int
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def fail(self, what: str) -> InvalidModelError:
+        return InvalidModelError(f"{self.path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or n > len(self.buf) - self.pos:
+            raise self.fail(f"{what} needs {n} bytes at offset {self.pos}, only {len(self.buf) - self.pos} left")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        raw = self.take(self.scalar("<Q", f"{what} length"), what)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not UTF-8") from None
+
+    def skip_strings(self, count: int, key: str) -> None:
+        # The hot loop of a header read (two 49k-entry vocab arrays): kept free of calls.
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack_length = _U64.unpack_from
+        for i in range(count):
+            if pos + 8 > end or pos + 8 + unpack_length(buf, pos)[0] > end:
+                self.pos = pos
+                raise self.fail(f"element {i} of '{key}' runs past the end of the file")
+            pos += 8 + unpack_length(buf, pos)[0]
+        self.pos = pos
+
+    def value(self, vtype: int, key: str) -> Any:
+        try:
+            vtype = GGUFValueType(vtype)
+        except ValueError:
+            raise self.fail(f"key '{key}' has unknown value type {vtype}") from None
+        if vtype == GGUFValueType.STRING:
+            return self.string(f"value of '{key}'")
+        if vtype == GGUFValueType.ARRAY:
+            return self.array(key)
+        return self.scalar(_SCALAR_FORMATS[vtype], f"value of '{key}'")
+
+    def array(self, key: str) -> Any:
+        etype_raw = self.scalar("<I", f"array type of '{key}'")
+        count = self.scalar("<Q", f"array length of '{key}'")
+        try:
+            etype = GGUFValueType(etype_raw)
+        except ValueError:
+            raise self.fail(f"array '{key}' has unknown element type {etype_raw}") from None
+        if etype == GGUFValueType.ARRAY:
+            raise self.fail(f"array '{key}' nests arrays, which GGUF does not allow")
+        min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
+        if count * min_size > len(self.buf) - self.pos:
+            raise self.fail(f"array '{key}' claims {count} elements, more than the file holds")
+        if count > MAX_DECODED_ARRAY:
+            if etype == GGUFValueType.STRING:
+                self.skip_strings(count, key)
+            else:
+                self.take(count * min_size, f"array '{key}'")
+            return SkippedArray(etype, count)
+        return [self.value(etype, key) for _ in range(count)]
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Read and check a GGUF file's metadata and tensor directory.
+
+    Raises ModelNotFoundError for a missing file and InvalidModelError, with one
+    line naming the field, for anything malformed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"model file not found: {path}")
+    file_size = path.stat().st_size
+    if file_size < 24:
+        raise InvalidModelError(f"{path.name} is not a GGUF file: only {file_size} bytes (re-download it)")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with memoryview(mm) as buf:
+            try:
+                return _parse(_Cursor(buf, path), file_size)
+            finally:
+                del buf  # release the export before the mmap closes
+
+
+def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
+    if bytes(cur.take(4, "magic")) != GGUF_MAGIC:
+        raise InvalidModelError(f"{cur.path.name} is not a GGUF file (no GGUF magic); pass a .gguf model")
+    version = cur.scalar("<I", "version")
+    if version not in SUPPORTED_VERSIONS:
+        raise cur.fail(f"version {version} is not supported (only {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    n_tensors = cur.scalar("<Q", "tensor count")
+    n_kv = cur.scalar("<Q", "metadata count")
+    # Each key/value needs at least 8 (key length) + 4 (type) + 1 bytes; each tensor 8 + 4 + 4 + 8.
+    if n_kv * 13 > file_size or n_tensors * 24 > file_size:
+        raise cur.fail(f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string("metadata key")
+        if key in metadata:
+            raise cur.fail(f"metadata key '{key}' appears twice")
+        metadata[key] = cur.value(cur.scalar("<I", f"type of '{key}'"), key)
+
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment is {alignment!r}, not a power of two")
+
+    raw_tensors = []
+    names: set[str] = set()
+    for _ in range(n_tensors):
+        name = cur.string("tensor name")
+        if name in names:
+            raise cur.fail(f"tensor '{name}' appears twice")
+        names.add(name)
+        n_dims = cur.scalar("<I", f"dimension count of '{name}'")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise cur.fail(f"tensor '{name}' has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
+        shape = tuple(cur.scalar("<Q", f"shape of '{name}'") for _ in range(n_dims))
+        type_raw = cur.scalar("<I", f"type of '{name}'")
+        offset = cur.scalar("<Q", f"offset of '{name}'")
+        raw_tensors.append((name, shape, type_raw, offset))
+
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors = tuple(_check_tensor(cur, data_offset, alignment, file_size, *t) for t in raw_tensors)
+    return GGUFHeader(cur.path, version, file_size, metadata, tensors, data_offset)
+
+
+def _check_tensor(
+    cur: _Cursor, data_offset: int, alignment: int, file_size: int, name: str, shape: tuple[int, ...], type_raw: int, offset: int
+) -> TensorInfo:
+    if any(d <= 0 for d in shape):
+        raise cur.fail(f"tensor '{name}' has shape {list(shape)} with a dimension that is not positive")
+    n_elements = 1
+    for d in shape:
+        n_elements *= d
+    if n_elements >= 2**62:
+        raise cur.fail(f"tensor '{name}' has shape {list(shape)}, too many elements")
+    try:
+        qtype = GGMLQuantizationType(type_raw)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise cur.fail(f"tensor '{name}' has unknown type {type_raw}") from None
+    if shape[0] % block_size:
+        raise cur.fail(f"tensor '{name}' rows of {shape[0]} do not divide into {qtype.name} blocks of {block_size}")
+    if offset % alignment:
+        raise cur.fail(f"tensor '{name}' offset {offset} is not aligned to {alignment}")
+    nbytes = n_elements // block_size * type_size
+    start = data_offset + offset
+    if start + nbytes > file_size:
+        raise cur.fail(
+            f"tensor '{name}' data ends at byte {start + nbytes}, past the end of the file ({file_size} bytes); "
+            "the file is truncated"
+        )
+    return TensorInfo(name, shape, qtype, start, nbytes)
