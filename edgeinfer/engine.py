@@ -265,7 +265,13 @@ class Engine:
 
     @property
     def kv_used(self) -> int:
+        """Tokens in the KV cache now."""
         return len(self._cached)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """A copy of the token ids in the KV cache, by position."""
+        return list(self._cached)
 
     def close(self) -> None:
         self.backend.close()
@@ -302,7 +308,7 @@ class Engine:
         cached, backend, tokenizer = self._cached, self.backend, self.tokenizer
         sampler = Sampler(params)
         text = TextStream(params.stop)
-        budget = str(self.kv_budget)
+        budget = self.kv_budget.describe(self.capacity)
         reserve = min(params.max_tokens, self.capacity // 4)
         prompt = self.kv_policy.fit_prompt(prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=budget)
         m.prompt_tokens = len(prompt)
@@ -362,7 +368,7 @@ class Engine:
 
     def _make_room(self, n_incoming: int, m: Metrics) -> None:
         start, end = self.kv_policy.eviction(
-            len(self._cached), n_incoming, self.capacity, has_bos=self.tokenizer.add_bos, budget=str(self.kv_budget)
+            len(self._cached), n_incoming, self.capacity, has_bos=self.tokenizer.add_bos, budget=self.kv_budget.describe(self.capacity)
         )
         self.backend.evict(start, end)
         del self._cached[start:end]

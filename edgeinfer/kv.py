@@ -33,6 +33,10 @@ class KVBudget:
     def __str__(self) -> str:
         return f"{self.tokens} tokens" if self.tokens is not None else _format_bytes(self.bytes or 0)
 
+    def describe(self, capacity: int) -> str:
+        """The budget with what it buys, for messages: ``"512 tokens"``, ``"64.0 MB = 2560 tokens"``."""
+        return f"{capacity} tokens" if self.tokens is not None else f"{self} = {capacity} tokens"
+
     @classmethod
     def parse(cls, value: str | int | KVBudget) -> KVBudget:
         """``"64MB"``, ``"1.5GiB"``, ``"512tok"``; a bare int is a byte count."""
@@ -105,11 +109,14 @@ class KVPolicy:
         return STREAMING_SINKS if self.name == "sinks" else int(has_bos)
 
     def eviction(self, n_cached: int, n_incoming: int, capacity: int, *, has_bos: bool, budget: str) -> tuple[int, int]:
-        """The range [start, end) to evict so ``n_incoming`` more tokens fit after ``n_cached``."""
+        """The range [start, end) to evict so ``n_incoming`` more tokens fit after ``n_cached``.
+
+        ``budget`` describes the budget for the ContextFull message, e.g. ``"512 tokens"``.
+        """
         needed = n_cached + n_incoming - capacity
         if self.name == "error":
             raise ContextFull(
-                f"KV cache full: {n_cached} + {n_incoming} tokens exceed the budget of {capacity} tokens ({budget}); "
+                f"KV cache full: {n_cached} + {n_incoming} tokens exceed the KV budget ({budget}); "
                 "raise --kv-budget or choose --kv-policy sinks or shift"
             )
         keep = min(self.keep(has_bos), capacity - n_incoming - 1)
@@ -128,8 +135,8 @@ class KVPolicy:
             return tokens
         if self.name == "error":
             raise ContextFull(
-                f"the prompt is {len(tokens)} tokens but the KV budget holds {capacity} ({budget}) "
-                f"with {reserve} kept for the answer; raise --kv-budget or choose --kv-policy sinks or shift"
+                f"the prompt is {len(tokens)} tokens but the KV budget ({budget}) holds {room} "
+                f"once {reserve} are kept for the answer; raise --kv-budget or choose --kv-policy sinks or shift"
             )
         keep = min(self.keep(has_bos), room // 2)
         return tokens[:keep] + tokens[len(tokens) - (room - keep) :]

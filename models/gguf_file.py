@@ -74,7 +74,9 @@ class GGUFHeader:
 
 
 class _Cursor:
-    def __init__(self, buf: memoryview, path: Path) -> None:
+    # Reads copy small byte strings out of the map; holding memoryview slices instead would
+    # keep the map from closing while an exception's traceback is alive.
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
         self.buf = buf
         self.pos = 0
         self.path = path
@@ -82,12 +84,18 @@ class _Cursor:
     def fail(self, what: str) -> InvalidModelError:
         return InvalidModelError(f"{self.path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
 
-    def take(self, n: int, what: str) -> memoryview:
+    def past_end(self, what: str) -> InvalidModelError:
+        return self.fail(f"{what} runs past the end of the file at offset {self.pos}; the file is truncated or corrupt")
+
+    def skip(self, n: int, what: str) -> None:
         if n < 0 or n > len(self.buf) - self.pos:
-            raise self.fail(f"{what} needs {n} bytes at offset {self.pos}, only {len(self.buf) - self.pos} left")
-        out = self.buf[self.pos : self.pos + n]
+            raise self.past_end(what)
         self.pos += n
-        return out
+
+    def take(self, n: int, what: str) -> bytes:
+        start = self.pos
+        self.skip(n, what)
+        return self.buf[start : self.pos]
 
     def scalar(self, fmt: str, what: str) -> Any:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
@@ -95,7 +103,7 @@ class _Cursor:
     def string(self, what: str) -> str:
         raw = self.take(self.scalar("<Q", f"{what} length"), what)
         try:
-            return str(raw, "utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8") from None
 
@@ -106,7 +114,7 @@ class _Cursor:
         for i in range(count):
             if pos + 8 > end or pos + 8 + unpack_length(buf, pos)[0] > end:
                 self.pos = pos
-                raise self.fail(f"element {i} of '{key}' runs past the end of the file")
+                raise self.past_end(f"element {i} of '{key}'")
             pos += 8 + unpack_length(buf, pos)[0]
         self.pos = pos
 
@@ -132,12 +140,12 @@ class _Cursor:
             raise self.fail(f"array '{key}' nests arrays, which GGUF does not allow")
         min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
         if count * min_size > len(self.buf) - self.pos:
-            raise self.fail(f"array '{key}' claims {count} elements, more than the file holds")
+            raise self.fail(f"array '{key}' claims {count} elements, more than the file holds; it is truncated or corrupt")
         if count > MAX_DECODED_ARRAY:
             if etype == GGUFValueType.STRING:
                 self.skip_strings(count, key)
             else:
-                self.take(count * min_size, f"array '{key}'")
+                self.skip(count * min_size, f"array '{key}'")
             return SkippedArray(etype, count)
         return [self.value(etype, key) for _ in range(count)]
 
@@ -155,11 +163,7 @@ def read_header(path: str | Path) -> GGUFHeader:
     if file_size < 24:
         raise InvalidModelError(f"{path.name} is not a GGUF file: only {file_size} bytes (re-download it)")
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        with memoryview(mm) as buf:
-            try:
-                return _parse(_Cursor(buf, path), file_size)
-            finally:
-                del buf  # release the export before the mmap closes
+        return _parse(_Cursor(mm, path), file_size)
 
 
 def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
@@ -172,7 +176,7 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
     n_kv = cur.scalar("<Q", "metadata count")
     # Each key/value needs at least 8 (key length) + 4 (type) + 1 bytes; each tensor 8 + 4 + 4 + 8.
     if n_kv * 13 > file_size or n_tensors * 24 > file_size:
-        raise cur.fail(f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes")
+        raise cur.fail(f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes; it is truncated or corrupt")
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):

@@ -1,0 +1,30 @@
+"""Shared fixtures: the real default model, loaded once, through real llama.cpp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgeinfer import Engine
+from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The native-build probe verdict goes to a cache dir; keep the tests' own.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGEINFER_CACHE_DIR", str(tmp_path_factory.mktemp("edgeinfer-cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def engine(model_path: Path) -> Engine:
+    """One engine for the read-mostly tests; tests that change its settings make their own."""
+    with Engine(model_path, kv_budget="2048tok", threads=2) as e:
+        yield e

@@ -1,0 +1,137 @@
+"""The edgeinfer command, through click's runner and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from support import SYSTEM
+
+from edgeinfer.cli import main
+
+FRANCE_ARGS = ["run", "What is the capital of France?", "--system", SYSTEM, "--temperature", "0", "--threads", "2", "--kv-budget", "512tok"]
+
+
+@pytest.fixture
+def cli():
+    return CliRunner()
+
+
+def test_run_streams_the_answer(cli):
+    result = cli.invoke(main, FRANCE_ARGS)
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.stdout
+
+
+def test_run_json_and_stats(cli):
+    result = cli.invoke(main, [*FRANCE_ARGS, "--json", "--stats"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert "Paris" in payload["text"] and payload["finish_reason"] == "stop"
+    assert payload["metrics"]["ttft_s"] > 0 and payload["metrics"]["kv_capacity"] == 512
+    for line in ("TTFT", "decode", "prefill", "KV cache", "route: local", "tokenize"):
+        assert line in result.stderr
+
+
+def test_run_reads_the_prompt_from_stdin(cli):
+    result = cli.invoke(main, FRANCE_ARGS[:1] + FRANCE_ARGS[2:] + ["--no-stream"], input="What is the capital of France?")
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "hi", "--model", "/no/such/model.gguf"], "model file not found"),
+        (["run", "hi", "--model", "not-a-model"], "unknown model"),
+        (["run", "hi", "--kv-budget", "lots"], "cannot read KV budget"),
+        (["run", "hi", "--temperature", "-1"], "temperature must be"),
+        (["run", "hi", "--threads", "0"], "threads must be"),
+        (["run", "hi", "--backend", "cuda"], "unknown backend"),
+        (["run", "   "], "the prompt is empty"),
+        (["info", "/no/such.gguf"], "model file not found"),
+    ],
+)
+def test_user_errors_are_one_line_on_stderr(cli, args, needle):
+    result = cli.invoke(main, args)
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ") and needle in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_not_a_gguf_through_the_cli(cli, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"<html>404</html>" * 10)
+    result = cli.invoke(main, ["run", "hi", "--model", str(fake)])
+    assert result.exit_code == 1 and "not a GGUF file" in result.stderr
+
+
+def test_info_reports_machine_and_model(cli, model_path):
+    result = cli.invoke(main, ["info", str(model_path)])
+    assert result.exit_code == 0, result.output
+    for needle in ("CPU features:", "backend llamacpp: available", "30 layers", "KV heads", "8,192 tokens", "Q4_1 x210"):
+        assert needle in result.stdout
+    report = json.loads(cli.invoke(main, ["info", "smollm2-135m", "--json"]).stdout)
+    assert report["model"]["kv_bytes_per_token_f16"] == 23040 and report["cores"] >= 1
+
+
+def test_list_shows_the_default_model_on_disk(cli):
+    result = cli.invoke(main, ["list"])
+    assert result.exit_code == 0
+    line = next(l for l in result.stdout.splitlines() if l.startswith("smollm2-135m"))
+    assert "93.8 MiB" in line and "yes" in line
+    rows = json.loads(cli.invoke(main, ["list", "--json"]).stdout)
+    assert any(r["name"] == "smollm2-135m" and r["path"] for r in rows)
+
+
+def run_edgeinfer(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "edgeinfer", *args],
+        input=stdin, capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def test_real_subprocess_answers_and_pipes():
+    proc = run_edgeinfer(*FRANCE_ARGS, "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "TTFT" in proc.stderr
+
+
+def test_real_subprocess_error_is_one_line(tmp_path):
+    proc = run_edgeinfer("run", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: model file not found") and proc.stderr.count("\n") == 1
+
+
+def test_pull_then_run_by_hf_reference(model_path, tmp_path):
+    from hf_server import FakeHub
+
+    ref = "hf:edge-test/SmolLM2-GGUF/smollm2.gguf"
+    with FakeHub({("edge-test/SmolLM2-GGUF", "smollm2.gguf"): model_path.read_bytes()}) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        pulled = run_edgeinfer("pull", ref, **env)
+        assert pulled.returncode == 0, pulled.stderr
+        path = pulled.stdout.strip()
+        assert path.startswith(str(tmp_path)) and os.path.getsize(path) == model_path.stat().st_size
+        answered = run_edgeinfer(*FRANCE_ARGS, "--model", ref, **env)
+        assert answered.returncode == 0, answered.stderr
+        assert "Paris" in answered.stdout
+        listed = run_edgeinfer("list", **env)
+        assert any(line.startswith(ref) and "yes" in line for line in listed.stdout.splitlines())
+
+
+def test_pull_without_network_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = run_edgeinfer("pull", "hf:org/repo/model.gguf", HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: cannot download hf:org/repo/model.gguf: no network connection")
+    assert proc.stderr.count("\n") == 1

@@ -1,0 +1,235 @@
+"""The engine on the real default model through real llama.cpp."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from support import FRANCE, SYSTEM
+
+from edgeinfer import ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
+
+
+def test_france_is_answered_with_paris(engine):
+    result = engine.chat(FRANCE, temperature=0, max_tokens=32)
+    assert "Paris" in result.text
+    assert result.finish_reason == "stop"
+    assert result.backend == "llamacpp" and result.route == "local"
+
+
+def test_greedy_is_deterministic_and_independent_of_the_cache(engine):
+    first = engine.chat(FRANCE, temperature=0, max_tokens=32)
+    again = engine.chat(FRANCE, temperature=0, max_tokens=32)  # reuses the cached prompt
+    engine.reset()
+    fresh = engine.chat(FRANCE, temperature=0, max_tokens=32)
+    assert again.metrics.cached_tokens > 0 and fresh.metrics.cached_tokens == 0
+    assert first.tokens == again.tokens == fresh.tokens
+
+
+def test_same_seed_same_text_other_seed_other_text(engine):
+    prompt = "Write a short story about a robot who learns to paint."
+    runs = [engine.generate(prompt, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=s, max_tokens=40) for s in (7, 7, 8)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].tokens != runs[2].tokens
+
+
+def test_second_turn_reuses_the_first_and_matches_a_fresh_prefill(engine):
+    first = engine.chat(FRANCE, temperature=0, max_tokens=32)
+    conversation = FRANCE + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And what is the capital of Germany?"},
+    ]
+    warm = engine.chat(conversation, temperature=0, max_tokens=32)
+    engine.reset()
+    cold = engine.chat(conversation, temperature=0, max_tokens=32)
+    assert warm.metrics.cached_tokens > first.metrics.prompt_tokens // 2
+    assert warm.tokens == cold.tokens
+    assert "Berlin" in warm.text
+
+
+def test_stop_string_ends_the_answer_and_is_never_streamed(engine):
+    full = engine.chat(FRANCE, temperature=0, max_tokens=32).text
+    stop = "Paris"
+    stream = engine.stream(FRANCE, temperature=0, max_tokens=32, stop=[stop])
+    chunks = list(stream)
+    assert stream.result.finish_reason == "stop"
+    assert "".join(chunks) == stream.result.text == full[: full.index(stop)]
+    assert all(stop not in c for c in chunks)
+
+
+def test_max_tokens_ends_with_length(engine):
+    result = engine.generate("Count: one, two, three,", temperature=0, max_tokens=5, ignore_eos=True)
+    assert result.finish_reason == "length"
+    assert result.metrics.output_tokens == len(result.tokens) == 5
+
+
+def test_stream_chunks_are_whole_characters(engine):
+    # SmolLM2's own system prompt makes it answer in accented French: multi-byte characters.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = engine.stream(messages, temperature=0, max_tokens=24)
+    chunks = list(stream)
+    text = stream.result.text
+    assert any(ord(ch) > 127 for ch in text), text
+    assert "".join(chunks) == text
+    assert "\ufffd" not in text
+
+
+def test_metrics_cover_every_stage(engine):
+    engine.reset()
+    m = engine.chat(FRANCE, temperature=0, max_tokens=16, ignore_eos=True).metrics
+    assert m.prompt_tokens > 10 and m.output_tokens == 16
+    for stage in (m.tokenize_s, m.prefill_s, m.decode_s, m.sample_s, m.detokenize_s, m.ttft_s, m.tpot_s):
+        assert stage > 0
+    assert m.ttft_s >= m.prefill_s and m.total_s > m.ttft_s
+    assert m.tokens_per_s > 1 and m.prefill_tokens_per_s > 1
+    assert m.kv_used == m.prompt_tokens + 15 and m.kv_capacity == engine.capacity == 2048
+    assert set(m.to_dict()) >= {"ttft_s", "tpot_s", "tokens_per_s", "kv_used", "kv_capacity"}
+
+
+def test_cancel_from_another_thread_stops_the_stream(engine):
+    stream = engine.stream("Tell me a very long story.", max_tokens=500, ignore_eos=True, seed=1)
+    next(stream)
+    threading.Thread(target=stream.cancel).start()
+    rest = list(stream)
+    assert stream.result.finish_reason == "cancelled"
+    assert len(stream.result.tokens) < 500 and len(rest) < 499
+
+
+def test_a_second_stream_in_the_same_thread_is_refused_not_deadlocked(engine):
+    with engine.stream("Hello", max_tokens=20) as outer:
+        next(outer)
+        with pytest.raises(EdgeInferError, match="already generating"):
+            next(engine.stream("Hi", max_tokens=5))
+    assert engine.generate("Hello", max_tokens=3).metrics.output_tokens <= 3  # the engine is free again
+
+
+async def test_async_twins(engine):
+    result = await engine.achat(FRANCE, temperature=0, max_tokens=32)
+    assert "Paris" in result.text
+    pieces = [p async for p in engine.astream(FRANCE, temperature=0, max_tokens=32)]
+    assert "".join(pieces) == result.text
+
+
+async def test_cancelling_the_awaiting_task_cancels_the_generation(engine):
+    task = asyncio.create_task(engine.agenerate("Tell me a very long story.", max_tokens=2000, ignore_eos=True))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The worker thread let go of the engine: the next call runs at once.
+    result = await asyncio.wait_for(engine.agenerate("Hi", max_tokens=2), timeout=10)
+    assert result.metrics.output_tokens <= 2
+
+
+def test_sampling_options_are_checked():
+    with pytest.raises(InvalidOptionError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidOptionError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+# -- the fixed-budget KV cache --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_engines(model_path):
+    engines = {p: Engine(model_path, kv_budget="512tok", kv_policy=p, threads=2) for p in ("sinks", "shift", "error")}
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
+@pytest.mark.parametrize("policy", ["sinks", "shift"])
+def test_long_generation_through_a_small_budget_completes(small_engines, policy):
+    engine = small_engines[policy]
+    result = engine.generate("The history of the world, in great detail:", max_tokens=1200, ignore_eos=True, seed=3)
+    m = result.metrics
+    assert result.finish_reason == "length" and m.output_tokens == 1200
+    assert m.kv_capacity == 512 and m.kv_used <= 512
+    assert m.kv_evicted >= 1200 + m.prompt_tokens - 512
+    assert "\ufffd" not in result.text and len(result.text) > 1000
+
+
+def test_sinks_keep_the_first_tokens_and_shift_does_not(small_engines):
+    prompt = "Once upon a time"
+    for policy, keeps_start in (("sinks", True), ("shift", False)):
+        engine = small_engines[policy]
+        result = engine.generate(prompt, max_tokens=600, ignore_eos=True, seed=1)
+        assert result.metrics.kv_evicted > 0
+        head = engine.tokenizer.encode(prompt)[:4]
+        assert (engine.cached_tokens[:4] == head) is keeps_start
+
+
+def test_sinks_cache_predicts_like_a_fresh_prefill_of_what_it_kept(small_engines, model_path):
+    # StreamingLLM's claim, and a check that evict() shifted positions and re-rotated keys:
+    # with the sinks kept, the evicted cache predicts almost as a fresh prefill of the kept
+    # tokens does. (Kept entries still carry some context from evicted ones, so not exactly;
+    # without sinks, as under `shift` with no BOS, the two diverge.)
+    engine = small_engines["sinks"]
+    engine.reset()
+    engine.generate("In the beginning", max_tokens=700, ignore_eos=True, seed=5)
+    kept = engine.cached_tokens
+    probe = engine.tokenizer.encode(" and", add_special=False)
+    shifted = engine.backend.eval(probe, len(kept)).astype(np.float64)
+    engine.reset()
+    with Engine(model_path, kv_budget="1024tok", threads=2) as fresh:
+        reference = fresh.backend.eval(kept + probe, 0).astype(np.float64)
+    p, q = _softmax(shifted), _softmax(reference)
+    assert int(shifted.argmax()) == int(reference.argmax())
+    assert float(np.sum(q * np.log(q / p))) < 0.1
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_error_policy_raises_context_full_with_the_budget_and_options(small_engines):
+    engine = small_engines["error"]
+    with pytest.raises(ContextFull) as info:
+        engine.generate("The history of the world:", max_tokens=2000, ignore_eos=True, seed=3)
+    message = str(info.value)
+    assert "512" in message and "--kv-budget" in message and "sinks" in message and "\n" not in message
+    assert len(info.value.partial) > 100
+    # The engine is still usable afterwards.
+    assert engine.generate("Hello", max_tokens=3).metrics.output_tokens <= 3
+
+
+@pytest.mark.parametrize("policy", ["sinks", "shift"])
+def test_a_prompt_longer_than_the_budget_is_cut_by_the_policy(small_engines, policy):
+    engine = small_engines[policy]
+    prompt = "The quick brown fox jumps over the lazy dog. " * 150  # ~1,500 tokens
+    result = engine.generate(prompt, max_tokens=20, temperature=0, ignore_eos=True)
+    assert result.metrics.prompt_tokens <= 512 - 20
+    assert result.metrics.output_tokens == 20
+
+
+def test_a_prompt_longer_than_the_budget_under_error_raises(small_engines):
+    with pytest.raises(ContextFull, match="the prompt is .* tokens"):
+        small_engines["error"].generate("The quick brown fox. " * 300, max_tokens=20)
+
+
+def test_byte_budget_and_q8_kv_cache(model_path):
+    # 23,040 bytes per token in f16 (2 x 30 layers x 3 KV heads x 64 x 2 B): 64 MB holds 2,777,
+    # rounded down to llama.cpp's 256-token blocks.
+    with Engine(model_path, kv_budget="64MB", threads=2) as f16:
+        assert f16.capacity == 2560
+    with Engine(model_path, kv_budget="64MB", kv_type="q8_0", threads=2) as q8:
+        assert q8.capacity == 5120
+        assert "Paris" in q8.chat(FRANCE, temperature=0, max_tokens=32).text
+        long = q8.generate("Once upon a time", max_tokens=300, ignore_eos=True, seed=2)
+        assert long.metrics.output_tokens == 300
+
+
+def test_budget_below_one_block_is_a_clear_error(model_path):
+    with pytest.raises(InvalidOptionError, match="allocation unit of 256 tokens"):
+        Engine(model_path, kv_budget="1MB", threads=1)
+    with pytest.raises(InvalidOptionError, match="KV type"):
+        Engine(model_path, kv_type="q4_0", threads=1)
+
+
+def test_system_prompt_reaches_the_model(engine):
+    rendered = engine.render(FRANCE)
+    assert SYSTEM in rendered and rendered.endswith("<|im_start|>assistant\n")

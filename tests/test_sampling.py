@@ -1,0 +1,78 @@
+"""The sampler on real logit rows, and the incremental detokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.textstream import TextStream
+
+RNG = np.random.default_rng(0)
+LOGITS = RNG.normal(size=1000).astype(np.float32)
+
+
+def draws(n: int = 300, **options) -> list[int]:
+    sampler = Sampler(SamplingParams(**options))
+    return [sampler(LOGITS) for _ in range(n)]
+
+
+def test_greedy_is_argmax_and_leaves_the_logits_alone():
+    before = LOGITS.copy()
+    assert draws(5, temperature=0, repetition_penalty=1.3) == [int(LOGITS.argmax())] * 5
+    np.testing.assert_array_equal(LOGITS, before)
+
+
+def test_top_k_restricts_to_the_k_best():
+    best = set(np.argsort(LOGITS)[-5:].tolist())
+    assert set(draws(top_k=5, top_p=1, min_p=0, temperature=2.0)) <= best
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = np.exp(LOGITS - LOGITS.max())
+    probs /= probs.sum()
+    order = np.argsort(probs)[::-1]
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1].tolist())
+    got = set(draws(top_k=0, top_p=0.5, min_p=0, temperature=1.0))
+    assert got <= nucleus and len(got) > 1
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best():
+    probs = np.exp(LOGITS - LOGITS.max())
+    allowed = set(np.flatnonzero(probs >= 0.3).tolist())
+    assert set(draws(top_k=0, top_p=1, min_p=0.3, temperature=1.0)) <= allowed
+
+
+def test_repetition_penalty_moves_away_from_recent_tokens():
+    best = int(LOGITS.argmax())
+    sampler = Sampler(SamplingParams(temperature=0, repetition_penalty=100.0))
+    assert sampler(LOGITS, [best]) != best
+
+
+def test_seed_reproduces_and_differs():
+    assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) == draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1)
+    assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) != draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=2)
+
+
+def test_split_multibyte_characters_wait_for_their_last_byte():
+    stream = TextStream()
+    euro = "€".encode()
+    assert stream.push(b"price: " + euro[:1]) == "price: "
+    assert stream.push(euro[1:2]) == ""
+    assert stream.push(euro[2:] + b"5") == "€5"
+    assert stream.text == "price: €5"
+
+
+def test_a_stop_string_split_across_tokens_is_never_shown():
+    stream = TextStream(stop=["<END>"])
+    shown = [stream.push(p) for p in (b"done <E", b"N", b"D> and more")]
+    assert shown == ["done ", "", ""]
+    assert stream.stopped and stream.text == "done "
+
+
+def test_a_false_start_of_a_stop_string_is_released():
+    stream = TextStream(stop=["<END>"])
+    assert stream.push(b"a <E") == "a "
+    assert stream.push(b"X") == "<EX"
+    assert stream.push(b" <") == " "
+    assert stream.flush() == "<"
+    assert not stream.stopped
