@@ -30,8 +30,8 @@ def backend_class(name: str) -> type[Backend]:
     module_name, _, class_name = BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BackendUnavailableError(f"backend {name!r} cannot be imported: {exc}") from None
+    except (ImportError, OSError, RuntimeError) as exc:  # a missing package, or a native library that fails to load
+        raise BackendUnavailableError(f"backend {name!r} cannot be loaded: {exc}") from None
     return getattr(module, class_name)
 
 

@@ -43,6 +43,11 @@ class Backend(Protocol):
         ...
 
     @property
+    def can_shift(self) -> bool:
+        """Whether ``evict`` works (false for caches without positions, e.g. recurrent models)."""
+        ...
+
+    @property
     def n_vocab(self) -> int:
         """Length of a row of logits."""
         ...

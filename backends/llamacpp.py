@@ -21,6 +21,8 @@ import numpy as np
 from edgeinfer.errors import BackendError
 from edgeinfer.models.info import ModelInfo
 
+from edgeinfer.system import probe_native_build
+
 from .base import BackendOptions
 
 log = logging.getLogger("edgeinfer.llamacpp")
@@ -51,6 +53,11 @@ def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         log.debug(line)
 
 
+def build_info() -> str:
+    """The instruction sets and options this llama.cpp build was compiled with."""
+    return llama_lib().llama_print_system_info().decode("utf-8", "replace").strip(" |")
+
+
 def last_log_lines(n: int = 3) -> str:
     """The last few llama.cpp log lines, joined for an error message."""
     return " | ".join(list(_recent_log)[-n:])
@@ -75,12 +82,14 @@ class LlamaCppBackend:
     kv_block: ClassVar[int] = 256  # llama.cpp pads n_ctx up to a multiple of 256
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0")
 
-    def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
+    def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
+        """``probe=False`` skips the native-build check; only the probe's own child uses it."""
+        if probe:
+            probe_native_build(info.path)
         lib = llama_lib()
         self._lib = lib
+        self._model = self._ctx = self._batch = None
         self._model = load_model(str(info.path))
-        self._ctx = None
-        self._batch = None
         try:
             params = lib.llama_context_default_params()
             params.n_ctx = options.kv_tokens
@@ -100,6 +109,7 @@ class LlamaCppBackend:
                 raise BackendError(f"llama.cpp could not create a context: {last_log_lines() or 'no reason given'}")
             self._memory = lib.llama_get_memory(self._ctx)
             self._capacity = lib.llama_n_ctx(self._ctx)
+            self._can_shift = bool(lib.llama_memory_can_shift(self._memory))
             self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
             self._batch_size = options.batch_size
             self._batch = lib.llama_batch_init(options.batch_size, 0, 1)
@@ -113,6 +123,10 @@ class LlamaCppBackend:
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def can_shift(self) -> bool:
+        return self._can_shift
 
     @property
     def n_vocab(self) -> int:
@@ -145,10 +159,12 @@ class LlamaCppBackend:
         return np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
 
     def truncate(self, n: int) -> None:
-        self._lib.llama_memory_seq_rm(self._memory, 0, n, -1)
+        if not self._lib.llama_memory_seq_rm(self._memory, 0, n, -1):
+            raise BackendError(f"llama.cpp cannot remove positions from {n} on from this model's cache")
 
     def evict(self, start: int, end: int) -> None:
-        self._lib.llama_memory_seq_rm(self._memory, 0, start, end)
+        if not self._lib.llama_memory_seq_rm(self._memory, 0, start, end):
+            raise BackendError(f"llama.cpp cannot remove positions {start}..{end - 1} from this model's cache")
         self._lib.llama_memory_seq_add(self._memory, 0, end, -1, start - end)
 
     def close(self) -> None:

@@ -93,8 +93,8 @@ class ChatTemplate:
             ) from None
         except TemplateError:
             raise
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"the chat template failed to render: {_one_line(exc)}") from None
+        except Exception as exc:  # template code can raise anything: TypeError, ZeroDivisionError, ...
+            raise TemplateError(f"the chat template failed to render: {type(exc).__name__}: {_one_line(exc)}") from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ one line on stderr (``error: ...``) and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -45,8 +46,16 @@ def _user_errors(fn: F) -> F:
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(EXIT_INTERRUPTED)
-        except BrokenPipeError:  # `edgeinfer run ... | head`
+        except BrokenPipeError:  # `edgeinfer run ... | head`: the reader has all it wants
+            # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
+        except Exception as exc:
+            # A bug, not a user error: still one line; EDGEINFER_DEBUG=1 shows the traceback.
+            if os.environ.get("EDGEINFER_DEBUG"):
+                raise
+            _fail(f"internal error ({type(exc).__name__}: {' '.join(str(exc).split())}); "
+                  "rerun with EDGEINFER_DEBUG=1 and report the traceback")  # fmt: skip
 
     return wrapper  # type: ignore[return-value]
 
@@ -126,8 +135,7 @@ def run(
     engine = Engine(
         model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
     )
-    with engine:
-        stream = engine.stream(messages, params)
+    with engine, engine.stream(messages, params) as stream:
         if as_json or no_stream:
             for _ in stream:
                 pass
@@ -167,6 +175,7 @@ def info(model: str | None, as_json: bool) -> None:
         "free_cores": free_cores(),
         "ram_available_bytes": available_ram(),
         "backends": backend_status(),
+        "llama_cpp_build": _llama_cpp_build(),
     }
     if model is not None:
         meta = load_model_info(resolve_model(model, download=False))
@@ -193,6 +202,7 @@ def info(model: str | None, as_json: bool) -> None:
     click.echo(f"CPU features:  {' '.join(report['cpu_features']) or 'unknown'}")
     click.echo(f"cores:         {report['cores']} usable, {report['free_cores']} free now")
     click.echo(f"RAM available: {report['ram_available_bytes'] / mib:,.0f} MiB")
+    click.echo(f"llama.cpp:     {report['llama_cpp_build']}")
     for name, state in report["backends"].items():
         click.echo(f"backend {name}: {state}")
     if model is not None:
@@ -206,6 +216,14 @@ def info(model: str | None, as_json: bool) -> None:
         click.echo(f"context:       {m['context_length']:,} tokens; KV {m['kv_bytes_per_token_f16']:,.0f} bytes/token (f16)")
         click.echo(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in sorted(m['tensor_types'].items()))}")
         click.echo(f"chat template: {m['chat_template']}")
+
+
+def _llama_cpp_build() -> str:
+    try:
+        from edgeinfer.backends.llamacpp import build_info
+    except ImportError:
+        return "llama-cpp-python is not installed"
+    return build_info()
 
 
 @main.command(name="list")

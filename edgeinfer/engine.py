@@ -30,6 +30,8 @@ from edgeinfer.system import check_memory, default_threads, estimate_memory
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
+# Below this a cache cannot hold a sink, a window and a new token at once.
+MIN_KV_TOKENS = 16
 FinishReason = Literal["stop", "length", "cancelled"]
 Prompt = str | Sequence[Message]
 
@@ -78,7 +80,8 @@ class Stream(Iterator[str]):
         try:
             return next(self._chunks)
         except StopIteration as stop:
-            self.result = stop.value
+            if stop.value is not None:  # a finished generator raises again with no value
+                self.result = stop.value
             raise
 
     def cancel(self) -> None:
@@ -98,10 +101,9 @@ class Stream(Iterator[str]):
 class AsyncStream(AsyncIterator[str]):
     """The async twin of Stream: the decode loop runs in a worker thread.
 
-    Cancelling the consuming task, or ``aclose()``, cancels the generation too.
+    Cancelling the consuming task, ``aclose()``, leaving ``async with``, or dropping
+    the stream cancels the generation.
     """
-
-    _END = object()
 
     def __init__(self, stream: Stream) -> None:
         self._stream = stream
@@ -112,26 +114,18 @@ class AsyncStream(AsyncIterator[str]):
     def result(self) -> Result | None:
         return self._stream.result
 
-    def _pump(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
-        try:
-            for chunk in self._stream:
-                loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            loop.call_soon_threadsafe(queue.put_nowait, self._END)
-        except BaseException as exc:  # handed to the consumer, re-raised there
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
-
     async def __anext__(self) -> str:
         if self._queue is None:
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
-            self._worker = loop.run_in_executor(None, self._pump, loop, self._queue)
+            self._worker = loop.run_in_executor(None, _pump, self._stream, loop, self._queue)
         try:
             item = await self._queue.get()
         except asyncio.CancelledError:
             self._stream.cancel()
             raise
-        if item is self._END or isinstance(item, BaseException):
-            await self._worker  # type: ignore[misc]
+        if item is _END or isinstance(item, BaseException):
+            await self._worker  # type: ignore[misc]  # it has just put its last item
             if isinstance(item, BaseException):
                 raise item
             raise StopAsyncIteration
@@ -141,13 +135,41 @@ class AsyncStream(AsyncIterator[str]):
         self._stream.cancel()
 
     async def aclose(self) -> None:
+        """Cancel and wait until the worker has let go of the engine."""
         self._stream.cancel()
         if self._worker is not None:
-            while True:  # drain so the worker can finish
-                item = await self._queue.get()  # type: ignore[union-attr]
-                if item is self._END or isinstance(item, BaseException):
-                    break
             await self._worker
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        self._stream.cancel()
+
+
+_END = object()
+
+
+def _pump(stream: Stream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
+    """Worker thread: run the stream, hand chunks and then _END (or the error) to the loop.
+
+    It holds the Stream, not the AsyncStream, so a dropped AsyncStream is collected and cancels.
+    """
+    last: object = _END
+    try:
+        for chunk in stream:
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+    except BaseException as exc:  # handed to the consumer, re-raised there
+        last = exc
+    finally:
+        stream.close()
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, last)
+        except RuntimeError:  # the consumer's loop is gone; nobody is waiting
+            pass
 
 
 class Engine:
@@ -194,6 +216,8 @@ class Engine:
         self.info: ModelInfo = load_model_info(self.model_path)
         block = backend_cls.kv_block
         wanted = min(self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.n_ctx_train)
+        if wanted < MIN_KV_TOKENS:
+            raise InvalidOptionError(f"a KV budget of {wanted} tokens is too small; give at least {MIN_KV_TOKENS}")
         check_memory(estimate_memory(self.info, -(-wanted // block) * block, kv_type, batch_size), force=force)
 
         self.threads = threads or default_threads()
@@ -211,6 +235,13 @@ class Engine:
         self._cached: list[int] = []  # the tokens in the backend's KV cache, by position
         self._lock = threading.Lock()
         self._owner: int | None = None
+        self._closed = False
+        if self.kv_policy.name != "error" and not self.backend.can_shift:
+            self.close()
+            raise InvalidOptionError(
+                f"this model's KV cache cannot shift positions, so the {self.kv_policy.name} policy cannot work; "
+                "use --kv-policy error"
+            )
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -274,8 +305,13 @@ class Engine:
         return list(self._cached)
 
     def close(self) -> None:
-        self.backend.close()
-        self.tokenizer.close()
+        """Free the model now; waits for a generation running in another thread."""
+        if self._closed:
+            return
+        with self._hold():
+            self._closed = True
+            self.backend.close()
+            self.tokenizer.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -286,8 +322,8 @@ class Engine:
     # -- the decode loop -----------------------------------------------------------------------
 
     def _run(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Generator[str, None, Result]:
+        start = perf_counter()  # TTFT counts any wait for another generation to finish
         with self._hold():
-            start = perf_counter()
             m = Metrics(kv_capacity=self.capacity)
             tokens = self.tokenize(prompt)
             m.tokenize_s = perf_counter() - start
@@ -310,8 +346,13 @@ class Engine:
         text = TextStream(params.stop)
         budget = self.kv_budget.describe(self.capacity)
         reserve = min(params.max_tokens, self.capacity // 4)
+        if not prompt:
+            raise InvalidOptionError("the prompt is empty: give the model some text to continue")
         prompt = self.kv_policy.fit_prompt(prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=budget)
         m.prompt_tokens = len(prompt)
+        if cancel.is_set():  # cancelled before it started: skip the prefill
+            m.total_s = perf_counter() - start
+            return Result("", [], "cancelled", m, self.model_path.name, backend.name)
 
         # Reuse the cached prefix (a chat's earlier turns); the last prompt token is always
         # evaluated, since its logits pick the first new token.
@@ -338,8 +379,9 @@ class Engine:
                     finish = "stop"
                     break
                 output.append(token)
+                t = perf_counter()
                 chunk = text.push(tokenizer.piece(token))
-                m.detokenize_s += perf_counter() - t_sampled
+                m.detokenize_s += perf_counter() - t
                 if chunk:
                     yield chunk
                 if text.stopped:
@@ -364,7 +406,7 @@ class Engine:
         m.output_tokens = len(output)
         m.total_s = perf_counter() - start
         m.kv_used = len(cached)
-        return Result(text.text, output, finish, m, self.info.name, backend.name)
+        return Result(text.text, output, finish, m, self.model_path.name, backend.name)
 
     def _make_room(self, n_incoming: int, m: Metrics) -> None:
         start, end = self.kv_policy.eviction(
@@ -391,6 +433,9 @@ class _EngineLock:
                 "this engine is already generating in this thread; finish or close the other stream first"
             )
         engine._lock.acquire()
+        if engine._closed:
+            engine._lock.release()
+            raise EdgeInferError("this engine is closed; create a new Engine")
         engine._owner = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
@@ -414,11 +459,8 @@ def _drain(stream: Stream) -> Result:
 
 
 async def _adrain(stream: AsyncStream) -> Result:
-    try:
+    async with stream:
         async for _ in stream:
             pass
-    except asyncio.CancelledError:
-        await stream.aclose()
-        raise
     assert stream.result is not None
     return stream.result

@@ -30,6 +30,10 @@ class KVBudget:
     bytes: int | None = None
     tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        if (self.bytes is None) == (self.tokens is None) or (self.bytes or self.tokens or 0) <= 0:
+            raise InvalidOptionError("a KV budget is a positive number of bytes or of tokens, not both")
+
     def __str__(self) -> str:
         return f"{self.tokens} tokens" if self.tokens is not None else _format_bytes(self.bytes or 0)
 
@@ -52,13 +56,10 @@ class KVBudget:
         if not match:
             raise InvalidOptionError(f"cannot read KV budget {value!r}: use bytes such as '64MB' or tokens such as '512tok'")
         number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        if unit in ("tok", "tokens"):
-            budget = cls(tokens=int(number))
-        else:
-            budget = cls(bytes=int(number * _UNITS[unit]))
-        if not (budget.tokens or budget.bytes):
+        size = int(number) if unit in ("tok", "tokens") else int(number * _UNITS[unit])
+        if size <= 0:
             raise InvalidOptionError(f"KV budget {value!r} is zero; give a positive size such as '64MB' or '512tok'")
-        return budget
+        return cls(tokens=size) if unit in ("tok", "tokens") else cls(bytes=size)
 
     def capacity(self, bytes_per_token: float, block: int) -> int:
         """Tokens this budget holds when the backend allocates KV in multiples of ``block`` tokens.
@@ -119,25 +120,28 @@ class KVPolicy:
                 f"KV cache full: {n_cached} + {n_incoming} tokens exceed the KV budget ({budget}); "
                 "raise --kv-budget or choose --kv-policy sinks or shift"
             )
-        keep = min(self.keep(has_bos), capacity - n_incoming - 1)
+        keep = max(0, min(self.keep(has_bos), capacity - n_incoming - 1))
         window = n_cached - keep
         chunk = self.n_discard or (window // 4 if self.name == "sinks" else window // 2)
         drop = min(max(needed, chunk, 1), window)
         return keep, keep + drop
 
     def fit_prompt(self, tokens: list[int], capacity: int, reserve: int, *, has_bos: bool, budget: str) -> list[int]:
-        """A prompt that does not fit keeps its head (``n_keep``) and its newest tail.
+        """A prompt too long for the cache keeps its head (``n_keep``) and its newest tail.
 
-        ``reserve`` tokens stay free for the answer.
+        ``sinks`` and ``shift`` cut it to leave ``reserve`` tokens free for the answer;
+        ``error`` raises ContextFull only if the prompt alone does not fit.
         """
+        if self.name == "error":
+            if len(tokens) > capacity:
+                raise ContextFull(
+                    f"the prompt is {len(tokens)} tokens but the KV budget ({budget}) holds {capacity}; "
+                    "raise --kv-budget or choose --kv-policy sinks or shift"
+                )
+            return tokens
         room = capacity - reserve
         if len(tokens) <= room:
             return tokens
-        if self.name == "error":
-            raise ContextFull(
-                f"the prompt is {len(tokens)} tokens but the KV budget ({budget}) holds {room} "
-                f"once {reserve} are kept for the answer; raise --kv-budget or choose --kv-policy sinks or shift"
-            )
         keep = min(self.keep(has_bos), room // 2)
         return tokens[:keep] + tokens[len(tokens) - (room - keep) :]
 

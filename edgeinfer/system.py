@@ -141,13 +141,15 @@ def _native_build_id() -> str | None:
     return digest.hexdigest()[:16]
 
 
+PROBE_TIMEOUT_S = 300
 # Loads the model and runs a prompt batch and a single-token decode: the two matmul paths.
 _PROBE_CODE = (
     "import sys\n"
     "from edgeinfer.backends.base import BackendOptions\n"
     "from edgeinfer.backends.llamacpp import LlamaCppBackend\n"
     "from edgeinfer.models.info import load_model_info\n"
-    "b = LlamaCppBackend(load_model_info(sys.argv[1]), BackendOptions(kv_tokens=256, threads=1, batch_size=32))\n"
+    "options = BackendOptions(kv_tokens=256, threads=1, batch_size=32)\n"
+    "b = LlamaCppBackend(load_model_info(sys.argv[1]), options, probe=False)\n"
     "b.eval([1, 2, 3, 4, 5, 6, 7, 8], 0)\n"
     "b.eval([9], 8)\n"
 )
@@ -170,10 +172,16 @@ def probe_native_build(model_path: Path, *, command: list[str] | None = None) ->
         return
     package_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    child = subprocess.run(
-        command or [sys.executable, "-c", _PROBE_CODE, str(model_path)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    try:
+        child = subprocess.run(
+            command or [sys.executable, "-c", _PROBE_CODE, str(model_path)],
+            env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise BackendUnavailableError(
+            f"llama.cpp took over {PROBE_TIMEOUT_S} s to decode one token of {model_path.name} in a test process; "
+            "the machine is overloaded or the build is broken"
+        ) from None
     if child.returncode == -signal.SIGILL:
         raise BackendUnavailableError(
             "llama.cpp faults on this CPU with an illegal instruction (its AMX kernels are built in but this "
@@ -189,7 +197,10 @@ def probe_native_build(model_path: Path, *, command: list[str] | None = None) ->
         return
     if command is None and build is not None:
         verified[build] = "ok"
-        _write_atomic(state_file, json.dumps(verified))
+        try:
+            _write_atomic(state_file, json.dumps(verified))
+        except OSError:  # a read-only home: probe again next time rather than fail
+            pass
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -9,13 +9,21 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from edgeinfer.backends.llamacpp import llama_lib, load_model
+from edgeinfer.errors import BackendUnavailableError
 
 
 class Tokenizer:
     """Text to token ids and token ids to bytes, for one GGUF vocabulary."""
 
     def __init__(self, path: str | Path) -> None:
+        # Imported here so that `import edgeinfer` works, and says what is wrong, without llama.cpp.
+        try:
+            from edgeinfer.backends.llamacpp import llama_lib, load_model
+        except (ImportError, OSError, RuntimeError) as exc:
+            raise BackendUnavailableError(
+                f"llama-cpp-python, which edgeinfer tokenizes with, cannot be loaded ({exc}); install it as README.md shows"
+            ) from None
+        self._model = None
         self._lib = llama_lib()
         self._model = load_model(str(path), vocab_only=True)
         self._vocab = self._lib.llama_model_get_vocab(self._model)
@@ -46,7 +54,12 @@ class Tokenizer:
         return cached
 
     def token_text(self, token: int) -> str:
-        """A token's text including control tokens, e.g. ``<|im_end|>`` (for chat templates)."""
+        """A token's text including control tokens, e.g. ``<|im_end|>`` (for chat templates).
+
+        Empty for -1, the id llama.cpp gives a token the model does not have (often BOS).
+        """
+        if not 0 <= token < self.n_vocab:
+            return ""
         return self._render(token, special=True).decode("utf-8", "replace")
 
     def decode(self, tokens: list[int]) -> str:

@@ -162,8 +162,11 @@ def read_header(path: str | Path) -> GGUFHeader:
     file_size = path.stat().st_size
     if file_size < 24:
         raise InvalidModelError(f"{path.name} is not a GGUF file: only {file_size} bytes (re-download it)")
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return _parse(_Cursor(mm, path), file_size)
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return _parse(_Cursor(mm, path), file_size)
+    except OSError as exc:
+        raise InvalidModelError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:

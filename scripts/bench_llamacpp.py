@@ -16,13 +16,14 @@ exactly --gen-tokens new tokens (EOS ignored):
 
 Each run starts from an empty KV cache, so TTFT includes the full prefill. One warm-up
 run per side, then the sides take turns run by run (the order reversing every run), so
-drifting machine load hits all of them alike. TTFT is wall time from the call (text in
+drifting machine load hits all of them alike; the verdict takes the median over runs of
+edgeinfer's figure against the plain run beside it. TTFT is wall time from the call (text in
 hand) to the first token's text being available; decode tok/s is
 (gen_tokens - 1) / (time of the last token - time of the first).
 
 Reproduce (on a quiet machine; --threads at most the free physical cores):
 
-    python scripts/bench_llamacpp.py --threads 2 --prompt-tokens 128 --gen-tokens 256 --runs 5
+    python scripts/bench_llamacpp.py --threads 2 --prompt-tokens 128 --gen-tokens 256 --runs 15
 """
 
 from __future__ import annotations
@@ -217,9 +218,11 @@ def main() -> None:
         order.reverse()  # A B C, C B A, ...: a steady drift in load cancels out across pairs of runs
 
     stats = {name: summary(runs) for name, runs in results.items()}
-    ei, pl = stats["edgeinfer"], stats["plain"]
-    ratio = ei["decode_tok_s_median"] / pl["decode_tok_s_median"]
-    ttft_diff = ei["ttft_ms_median"] - pl["ttft_ms_median"]
+    # The verdict compares each edgeinfer run with the plain run beside it: on a shared VM the
+    # load drifts by more than the differences measured, and neighbours see the same load.
+    pairs = list(zip(results["edgeinfer"], results["plain"]))
+    ratio = statistics.median(e[1] / p[1] for e, p in pairs)
+    ttft_diff = statistics.median((e[0] - p[0]) * 1000 for e, p in pairs)
     report = {
         "model": str(path),
         "threads": threads,
@@ -245,8 +248,10 @@ def main() -> None:
             print(f"{name:<10} {s['ttft_ms_median']:>12.2f} {s['ttft_ms_min']:>12.2f} "
                   f"{s['decode_tok_s_median']:>10.2f} {s['decode_tok_s_min']:>10.2f}")  # fmt: skip
         verdict = {True: "PASS", False: "FAIL"}
-        print(f"decode edgeinfer/plain: {ratio:.3f}x (target >= {DECODE_TARGET})  {verdict[report['decode_pass']]}")
-        print(f"TTFT edgeinfer - plain: {ttft_diff:+.2f} ms (target <= {TTFT_TARGET_MS})  {verdict[report['ttft_pass']]}")
+        print(f"decode edgeinfer/plain, median of paired runs: {ratio:.3f}x (target >= {DECODE_TARGET})  "
+              f"{verdict[report['decode_pass']]}")  # fmt: skip
+        print(f"TTFT edgeinfer - plain, median of paired runs: {ttft_diff:+.2f} ms (target <= {TTFT_TARGET_MS})  "
+              f"{verdict[report['ttft_pass']]}")  # fmt: skip
     plain.close()
     engine.close()
 

@@ -135,3 +135,22 @@ def test_pull_without_network_is_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: cannot download hf:org/repo/model.gguf: no network connection")
     assert proc.stderr.count("\n") == 1
+
+
+def test_closed_pipe_and_ctrl_c_end_quietly():
+    import signal
+    import time
+
+    args = [sys.executable, "-m", "edgeinfer", "run", "Tell me a long story.", "--max-tokens", "2000", "--threads", "2"]
+    reader = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.read(1)
+    reader.stdout.close()  # like `| head -c 1`
+    assert reader.wait(timeout=60) == 0
+    assert b"Traceback" not in reader.stderr.read()
+
+    interrupted = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert interrupted.stdout.read(1)
+    time.sleep(0.2)
+    interrupted.send_signal(signal.SIGINT)
+    assert interrupted.wait(timeout=60) == 130
+    assert b"Traceback" not in interrupted.stderr.read()

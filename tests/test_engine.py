@@ -233,3 +233,53 @@ def test_budget_below_one_block_is_a_clear_error(model_path):
 def test_system_prompt_reaches_the_model(engine):
     rendered = engine.render(FRANCE)
     assert SYSTEM in rendered and rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_token_budget_is_the_limit_even_where_llama_cpp_pads_the_allocation(model_path):
+    with Engine(model_path, kv_budget="300tok", threads=2) as engine:
+        assert engine.backend.capacity == 512 and engine.capacity == 300
+        m = engine.generate("Once upon a time", max_tokens=400, ignore_eos=True, seed=1).metrics
+        assert m.kv_evicted > 0 and m.kv_used <= 300 and m.kv_capacity == 300
+
+
+def test_budgets_too_small_to_work_are_refused(model_path):
+    with pytest.raises(InvalidOptionError, match="too small"):
+        Engine(model_path, kv_budget="8tok", threads=1)
+
+
+def test_empty_prompt_is_a_clear_error(engine):
+    with pytest.raises(InvalidOptionError, match="the prompt is empty"):
+        engine.generate("")
+    assert engine.generate("Hi", max_tokens=2).metrics.output_tokens <= 2
+
+
+def test_a_closed_engine_refuses_work(model_path):
+    engine = Engine(model_path, kv_budget="512tok", threads=1)
+    engine.close()
+    engine.close()  # twice is fine
+    with pytest.raises(EdgeInferError, match="closed"):
+        engine.generate("Hi")
+
+
+def test_all_logits_rows_match_the_last_row(engine):
+    engine.reset()
+    ids = engine.tokenize("The capital of France is")
+    rows = engine.backend.eval(ids, 0, all_logits=True)
+    assert rows.shape == (len(ids), engine.backend.n_vocab)
+    engine.backend.truncate(0)
+    last = engine.backend.eval(ids, 0)
+    np.testing.assert_allclose(rows[-1], last, rtol=1e-4, atol=1e-3)
+    assert engine.tokenizer.decode([int(rows[-1].argmax())]).strip() == "Paris"
+    engine.backend.truncate(0)
+
+
+async def test_async_stream_closes_cleanly_after_the_end_and_when_abandoned(engine):
+    stream = engine.astream("Hello", max_tokens=3)
+    async for _ in stream:
+        pass
+    await asyncio.wait_for(stream.aclose(), timeout=5)  # after the end: returns at once
+    async with engine.astream("Tell me a long story.", max_tokens=2000, ignore_eos=True) as early:
+        async for _ in early:
+            break
+    assert early.result.finish_reason == "cancelled"
+    assert (await asyncio.wait_for(engine.agenerate("Hi", max_tokens=2), timeout=10)).metrics.output_tokens <= 2

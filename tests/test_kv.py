@@ -70,6 +70,8 @@ def test_long_prompt_keeps_head_and_newest_tail():
     assert fitted[:4] == [0, 1, 2, 3] and fitted[4:] == tokens[-408:]
     with pytest.raises(ContextFull, match="the prompt is 1000 tokens"):
         KVPolicy("error").fit_prompt(tokens, 512, 100, has_bos=False, budget="512 tokens")
+    # Under `error` a prompt that fits is left whole, even if the answer may not.
+    assert KVPolicy("error").fit_prompt(tokens[:500], 512, 100, has_bos=False, budget="") == tokens[:500]
 
 
 def test_unknown_policy():

@@ -18,7 +18,9 @@ def draws(n: int = 300, **options) -> list[int]:
 
 def test_greedy_is_argmax_and_leaves_the_logits_alone():
     before = LOGITS.copy()
-    assert draws(5, temperature=0, repetition_penalty=1.3) == [int(LOGITS.argmax())] * 5
+    assert draws(5, temperature=0) == [int(LOGITS.argmax())] * 5
+    sampler = Sampler(SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=0))
+    sampler(LOGITS, list(np.argsort(LOGITS)[-10:]))  # the penalty path works on a copy
     np.testing.assert_array_equal(LOGITS, before)
 
 

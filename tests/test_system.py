@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from edgeinfer import BackendUnavailableError, Engine, InsufficientMemoryError
-from edgeinfer.buildflags import rebuild_command, safe_cmake_args
+from edgeinfer.buildflags import cpu_flags, rebuild_command, safe_cmake_args
 from edgeinfer.models.info import load_model_info
 from edgeinfer.system import (
+    INTERESTING_CPU_FLAGS,
     available_ram,
     cache_dir,
     check_memory,
@@ -72,10 +73,21 @@ def test_memory_estimate_and_refusal(model_path):
 def test_machine_facts():
     assert 1 <= default_threads() <= usable_cores()
     features = cpu_features()
-    assert features == sorted(features, key=features.index)  # fixed order, no duplicates
+    assert features == [f for f in INTERESTING_CPU_FLAGS if f in set(features)]  # fixed order, no duplicates
+    assert set(features) <= cpu_flags()
     assert available_ram() > 0
 
 
-def test_engine_uses_the_threads_it_is_given(model_path):
+def test_engine_passes_its_threads_to_llama_cpp(model_path):
+    import llama_cpp
+
     with Engine(model_path, kv_budget="512tok", threads=1) as engine:
         assert engine.threads == 1
+        assert llama_cpp.llama_n_threads(engine.backend._ctx) == 1
+
+
+def test_engine_runs_the_probe_before_loading(model_path):
+    state = cache_dir() / "native-probe.json"
+    state.unlink(missing_ok=True)
+    with Engine(model_path, kv_budget="512tok", threads=1):
+        assert list(json.loads(state.read_text()).values()) == ["ok"]
