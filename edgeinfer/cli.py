@@ -247,11 +247,12 @@ def list_(as_json: bool) -> None:
         ]
         click.echo(json.dumps(rows, indent=2))
         return
-    width = max((len(m.name) for m in listings), default=4)
-    click.echo(f"{'NAME':<{width}}  {'SIZE':>9}  {'ON DISK':<7}  DESCRIPTION")
-    for m in listings:
-        size = f"{m.size_bytes / 2**20:,.1f} MiB" if m.size_bytes else "?"
-        click.echo(f"{m.name:<{width}}  {size:>9}  {'yes' if m.path else 'no':<7}  {m.description}")
+    sizes = [f"{m.size_bytes / 2**20:,.1f} MiB" if m.size_bytes else "?" for m in listings]
+    name_width = max((len(m.name) for m in listings), default=4)
+    size_width = max((len(s) for s in sizes), default=4)
+    click.echo(f"{'NAME':<{name_width}}  {'SIZE':>{size_width}}  {'ON DISK':<7}  DESCRIPTION")
+    for m, size in zip(listings, sizes):
+        click.echo(f"{m.name:<{name_width}}  {size:>{size_width}}  {'yes' if m.path else 'no':<7}  {m.description}")
 
 
 @main.command()

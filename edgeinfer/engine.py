@@ -259,7 +259,14 @@ class Engine:
         Sampling options (``max_tokens``, ``temperature``, ``seed``, ``stop``, ...) are the
         fields of ``SamplingParams`` and override ``params``.
         """
-        params = dataclasses.replace(params or SamplingParams(), **options) if options else params or SamplingParams()
+        params = params or SamplingParams()
+        if options:
+            unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
+            if unknown:
+                raise InvalidOptionError(
+                    f"unknown sampling option {', '.join(sorted(unknown))}; see SamplingParams for the options"
+                )
+            params = dataclasses.replace(params, **options)
         cancel = threading.Event()
         return Stream(self._run(prompt, params, cancel), cancel)
 

@@ -11,7 +11,8 @@ class Metrics:
 
     Stage times are wall-clock seconds spent in that stage alone: ``prefill_s`` and
     ``decode_s`` are the backend's evaluations, ``sample_s`` the sampler and
-    ``detokenize_s`` the incremental detokenizer. ``ttft_s`` runs from the call
+    ``detokenize_s`` the incremental detokenizer. ``ttft_s`` runs from the start
+    of the call (the first ``next()`` of a stream), any wait for the engine included,
     to the first sampled token; ``tpot_s`` is the mean gap between later tokens.
     """
 

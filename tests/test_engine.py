@@ -123,9 +123,11 @@ async def test_cancelling_the_awaiting_task_cancels_the_generation(engine):
     assert result.metrics.output_tokens <= 2
 
 
-def test_sampling_options_are_checked():
+def test_sampling_options_are_checked(engine):
     with pytest.raises(InvalidOptionError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(InvalidOptionError, match="unknown sampling option temprature"):
+        engine.stream("Hi", temprature=0.5)
     with pytest.raises(InvalidOptionError, match="top_p"):
         SamplingParams(top_p=0)
 
