@@ -14,8 +14,6 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgeinfer.models.info import ModelInfo
-
 
 @dataclass(frozen=True)
 class BackendOptions:

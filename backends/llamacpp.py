@@ -7,20 +7,20 @@ engine's job. Logits are read straight from llama.cpp's buffer without a copy.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import llama_cpp
 import numpy as np
 
 from edgeinfer.errors import BackendError
 from edgeinfer.models.info import ModelInfo
-
 from edgeinfer.system import probe_native_build
 
 from .base import BackendOptions
@@ -88,7 +88,9 @@ class LlamaCppBackend:
             probe_native_build(info.path)
         lib = llama_lib()
         self._lib = lib
-        self._model = self._ctx = self._batch = None
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
         self._model = load_model(str(info.path))
         try:
             params = lib.llama_context_default_params()
@@ -147,8 +149,9 @@ class LlamaCppBackend:
             batch.logits[len(chunk) - 1] = True
             status = lib.llama_decode(self._ctx, batch)
             if status != 0:
+                end = start + first + len(chunk) - 1
                 raise BackendError(
-                    f"llama_decode failed with status {status} at positions {start + first}..{start + first + len(chunk) - 1} "
+                    f"llama_decode failed with status {status} at positions {start + first}..{end} "
                     f"of a {self._capacity}-token cache: {last_log_lines() or 'no reason given'}"
                 )
             if rows is not None:
@@ -180,7 +183,5 @@ class LlamaCppBackend:
             self._model = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
             self.close()
-        except Exception:  # interpreter shutdown may have torn the module down already
-            pass

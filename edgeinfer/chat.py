@@ -8,8 +8,8 @@ SecurityError before anything runs, and the template cannot mutate its inputs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from typing import Any, TypedDict

@@ -68,7 +68,9 @@ def main() -> None:
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf")
+@click.option(
+    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
+)
 @click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
 @click.option("--system", "system_prompt", help="System prompt.")
 @click.option("--max-tokens", type=int, default=_SAMPLING.max_tokens, show_default=True)
@@ -76,12 +78,31 @@ def main() -> None:
 @click.option("--top-p", type=float, default=_SAMPLING.top_p, show_default=True)
 @click.option("--top-k", type=int, default=_SAMPLING.top_k, show_default=True, help="0 switches it off.")
 @click.option("--min-p", type=float, default=_SAMPLING.min_p, show_default=True)
-@click.option("--repeat-penalty", type=float, default=_SAMPLING.repetition_penalty, show_default=True, help="1 switches it off.")
+@click.option(
+    "--repeat-penalty", type=float, default=_SAMPLING.repetition_penalty, show_default=True, help="1 switches it off."
+)
 @click.option("--seed", type=int, help="Same seed, same text.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
-@click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True, help="KV cache cap: bytes ('64MB') or tokens ('512tok').")
-@click.option("--kv-policy", type=click.Choice(POLICIES), default="sinks", show_default=True, help="What to do when the KV cache fills.")
-@click.option("--kv-type", type=click.Choice(tuple(KV_TYPE_BYTES)), default="f16", show_default=True, help="KV cache element type.")
+@click.option(
+    "--kv-budget",
+    default=DEFAULT_KV_BUDGET,
+    show_default=True,
+    help="KV cache cap: bytes ('64MB') or tokens ('512tok').",
+)
+@click.option(
+    "--kv-policy",
+    type=click.Choice(POLICIES),
+    default="sinks",
+    show_default=True,
+    help="What to do when the KV cache fills.",
+)
+@click.option(
+    "--kv-type",
+    type=click.Choice(tuple(KV_TYPE_BYTES)),
+    default="f16",
+    show_default=True,
+    help="KV cache element type.",
+)
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @click.option("--stats", is_flag=True, help="Print timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
@@ -213,7 +234,9 @@ def info(model: str | None, as_json: bool) -> None:
             f"shape:         {m['layers']} layers, hidden {m['embedding']}, {m['heads']} heads, "
             f"{m['kv_heads']} KV heads, head dim {m['head_dim']}, vocab {m['vocab_size']:,}"
         )
-        click.echo(f"context:       {m['context_length']:,} tokens; KV {m['kv_bytes_per_token_f16']:,.0f} bytes/token (f16)")
+        click.echo(
+            f"context:       {m['context_length']:,} tokens; KV {m['kv_bytes_per_token_f16']:,.0f} bytes/token (f16)"
+        )
         click.echo(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in sorted(m['tensor_types'].items()))}")
         click.echo(f"chat template: {m['chat_template']}")
 
@@ -251,7 +274,7 @@ def list_(as_json: bool) -> None:
     name_width = max((len(m.name) for m in listings), default=4)
     size_width = max((len(s) for s in sizes), default=4)
     click.echo(f"{'NAME':<{name_width}}  {'SIZE':>{size_width}}  {'ON DISK':<7}  DESCRIPTION")
-    for m, size in zip(listings, sizes):
+    for m, size in zip(listings, sizes, strict=True):
         click.echo(f"{m.name:<{name_width}}  {size:>{size_width}}  {'yes' if m.path else 'no':<7}  {m.description}")
 
 

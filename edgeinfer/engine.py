@@ -1,14 +1,15 @@
 """The engine: one decode loop, one sampler, one KV policy and one metrics path for every backend.
 
-    engine = Engine()                                  # the default model, best backend here
-    print(engine.chat([{"role": "user", "content": "Hi"}]).text)
-    for piece in engine.stream("Once upon a time", max_tokens=50):
-        print(piece, end="", flush=True)
+engine = Engine()                                  # the default model, best backend here
+print(engine.chat([{"role": "user", "content": "Hi"}]).text)
+for piece in engine.stream("Once upon a time", max_tokens=50):
+    print(piece, end="", flush=True)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
@@ -166,10 +167,8 @@ def _pump(stream: Stream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[
         last = exc
     finally:
         stream.close()
-        try:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone; nobody is waiting
             loop.call_soon_threadsafe(queue.put_nowait, last)
-        except RuntimeError:  # the consumer's loop is gone; nobody is waiting
-            pass
 
 
 class Engine:
@@ -417,7 +416,11 @@ class Engine:
 
     def _make_room(self, n_incoming: int, m: Metrics) -> None:
         start, end = self.kv_policy.eviction(
-            len(self._cached), n_incoming, self.capacity, has_bos=self.tokenizer.add_bos, budget=self.kv_budget.describe(self.capacity)
+            len(self._cached),
+            n_incoming,
+            self.capacity,
+            has_bos=self.tokenizer.add_bos,
+            budget=self.kv_budget.describe(self.capacity),
         )
         self.backend.evict(start, end)
         del self._cached[start:end]

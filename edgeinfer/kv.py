@@ -54,7 +54,9 @@ class KVBudget:
             raise InvalidOptionError(f"kv_budget must be a string such as '64MB' or '512tok', got {value!r}")
         match = _BUDGET.match(text)
         if not match:
-            raise InvalidOptionError(f"cannot read KV budget {value!r}: use bytes such as '64MB' or tokens such as '512tok'")
+            raise InvalidOptionError(
+                f"cannot read KV budget {value!r}: use bytes such as '64MB' or tokens such as '512tok'"
+            )
         number, unit = float(match.group(1)), (match.group(2) or "").lower()
         size = int(number) if unit in ("tok", "tokens") else int(number * _UNITS[unit])
         if size <= 0:

@@ -7,6 +7,7 @@ busy cores, and a llama.cpp build whose AMX kernels fault on this CPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -197,10 +198,8 @@ def probe_native_build(model_path: Path, *, command: list[str] | None = None) ->
         return
     if command is None and build is not None:
         verified[build] = "ok"
-        try:
+        with contextlib.suppress(OSError):  # a read-only home: probe again next time rather than fail
             _write_atomic(state_file, json.dumps(verified))
-        except OSError:  # a read-only home: probe again next time rather than fail
-            pass
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -6,6 +6,7 @@ token ids llama.cpp would, pre-tokenizer quirks included.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from pathlib import Path
 
@@ -21,7 +22,8 @@ class Tokenizer:
             from edgeinfer.backends.llamacpp import llama_lib, load_model
         except (ImportError, OSError, RuntimeError) as exc:
             raise BackendUnavailableError(
-                f"llama-cpp-python, which edgeinfer tokenizes with, cannot be loaded ({exc}); install it as README.md shows"
+                f"llama-cpp-python, which edgeinfer tokenizes with, cannot be loaded ({exc}); "
+                "install it as README.md shows"
             ) from None
         self._model = None
         self._lib = llama_lib()
@@ -82,7 +84,5 @@ class Tokenizer:
             self._model = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
             self.close()
-        except Exception:  # interpreter shutdown may have torn the module down already
-            pass

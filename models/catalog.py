@@ -141,9 +141,7 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
-def resolve_model(
-    spec: str | os.PathLike[str], *, download: bool = True, progress: bool = True
-) -> Path:
+def resolve_model(spec: str | os.PathLike[str], *, download: bool = True, progress: bool = True) -> Path:
     """Return the local path of the model file that ``spec`` names.
 
     Hub files (``hf:`` references, and aliases whose package is not installed) come from the
@@ -162,23 +160,17 @@ def resolve_model(
         return _from_hub(_parse_hf_ref(spec), spec, download=download, progress=progress)
 
     path = Path(spec).expanduser()
-    looks_like_path = spec.lower().endswith(".gguf") or any(
-        sep in spec for sep in (os.sep, os.altsep) if sep
-    )
+    looks_like_path = spec.lower().endswith(".gguf") or any(sep in spec for sep in (os.sep, os.altsep) if sep)
     if looks_like_path or path.is_file():
         return _local_file(path)
 
     entry = CATALOG.get(spec.lower())
     if entry is None:
-        raise ModelNotFoundError(
-            f"unknown model {spec!r} (known aliases: {', '.join(CATALOG)}; or {_SPEC_HINT})"
-        )
+        raise ModelNotFoundError(f"unknown model {spec!r} (known aliases: {', '.join(CATALOG)}; or {_SPEC_HINT})")
     packaged = _packaged_file(entry)
     if packaged is not None:
         return packaged
-    return _from_hub(
-        _HubFile(entry.hf_repo, entry.hf_file), spec, download=download, progress=progress
-    )
+    return _from_hub(_HubFile(entry.hf_repo, entry.hf_file), spec, download=download, progress=progress)
 
 
 def pull(spec: str, *, progress: bool = True) -> Path:
@@ -309,25 +301,18 @@ def _download_error(ref: _HubFile, exc: BaseException) -> DownloadError:
     if found(OfflineModeIsEnabled):
         reason = "offline mode is on (unset HF_HUB_OFFLINE and retry, or pass a local .gguf path)"
     elif found(GatedRepoError):
-        reason = (
-            f"{ref.repo_id} is gated (accept its terms at {repo_url}, then run "
-            "'hf auth login' or set HF_TOKEN)"
-        )
+        reason = f"{ref.repo_id} is gated (accept its terms at {repo_url}, then run 'hf auth login' or set HF_TOKEN)"
     elif found(RepositoryNotFoundError):
         reason = (
             f"no repository {ref.repo_id} on {endpoint} (check the name; a private repo needs "
             "'hf auth login' or HF_TOKEN)"
         )
     elif found(RemoteEntryNotFoundError):
-        reason = (
-            f"no file {ref.filename} in {ref.repo_id} (see the file names at {repo_url}/tree/main)"
-        )
+        reason = f"no file {ref.filename} in {ref.repo_id} (see the file names at {repo_url}/tree/main)"
     elif found(httpx2.TimeoutException):
         reason = f"{endpoint} did not answer in time (check the network and retry)"
     elif found(httpx2.TransportError):
-        reason = (
-            f"no network connection to {endpoint} (connect and retry, or pass a local .gguf path)"
-        )
+        reason = f"no network connection to {endpoint} (connect and retry, or pass a local .gguf path)"
     elif found(FileMetadataError):
         reason = f"{endpoint} does not behave like the Hugging Face Hub (check HF_ENDPOINT)"
     elif (http_error := found(HfHubHTTPError)) is not None:

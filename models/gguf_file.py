@@ -140,7 +140,9 @@ class _Cursor:
             raise self.fail(f"array '{key}' nests arrays, which GGUF does not allow")
         min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
         if count * min_size > len(self.buf) - self.pos:
-            raise self.fail(f"array '{key}' claims {count} elements, more than the file holds; it is truncated or corrupt")
+            raise self.fail(
+                f"array '{key}' claims {count} elements, more than the file holds; it is truncated or corrupt"
+            )
         if count > MAX_DECODED_ARRAY:
             if etype == GGUFValueType.STRING:
                 self.skip_strings(count, key)
@@ -179,7 +181,9 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
     n_kv = cur.scalar("<Q", "metadata count")
     # Each key/value needs at least 8 (key length) + 4 (type) + 1 bytes; each tensor 8 + 4 + 4 + 8.
     if n_kv * 13 > file_size or n_tensors * 24 > file_size:
-        raise cur.fail(f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes; it is truncated or corrupt")
+        raise cur.fail(
+            f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes; it is truncated or corrupt"
+        )
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
@@ -213,7 +217,14 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
 
 
 def _check_tensor(
-    cur: _Cursor, data_offset: int, alignment: int, file_size: int, name: str, shape: tuple[int, ...], type_raw: int, offset: int
+    cur: _Cursor,
+    data_offset: int,
+    alignment: int,
+    file_size: int,
+    name: str,
+    shape: tuple[int, ...],
+    type_raw: int,
+    offset: int,
 ) -> TensorInfo:
     if any(d <= 0 for d in shape):
         raise cur.fail(f"tensor '{name}' has shape {list(shape)} with a dimension that is not positive")

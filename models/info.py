@@ -61,13 +61,19 @@ def model_info_from_header(header: GGUFHeader) -> ModelInfo:
     head_kv = meta.get(f"{arch}.attention.head_count_kv", n_head)
     n_head_kv = tuple(head_kv) if isinstance(head_kv, list) else (head_kv,) * n_layer
     if len(n_head_kv) != n_layer or not all(isinstance(n, int) and n >= 0 for n in n_head_kv) or not any(n_head_kv):
-        raise InvalidModelError(f"{header.path.name}: metadata '{arch}.attention.head_count_kv' = {head_kv!r} is not valid")
+        raise InvalidModelError(
+            f"{header.path.name}: metadata '{arch}.attention.head_count_kv' = {head_kv!r} is not valid"
+        )
     head_dim_k = meta.get(f"{arch}.attention.key_length", n_embd // n_head)
     head_dim_v = meta.get(f"{arch}.attention.value_length", head_dim_k)
     if not all(isinstance(d, int) and d > 0 for d in (head_dim_k, head_dim_v)):
-        raise InvalidModelError(f"{header.path.name}: attention head dimensions {head_dim_k}/{head_dim_v} are not valid")
+        raise InvalidModelError(
+            f"{header.path.name}: attention head dimensions {head_dim_k}/{head_dim_v} are not valid"
+        )
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = meta.get(f"{arch}.vocab_size") or (tokens.count if isinstance(tokens, SkippedArray) else len(tokens or ()))
+    n_vocab = meta.get(f"{arch}.vocab_size") or (
+        tokens.count if isinstance(tokens, SkippedArray) else len(tokens or ())
+    )
     if not n_vocab:
         raise InvalidModelError(f"{header.path.name} has no vocabulary (tokenizer.ggml.tokens); re-convert the model")
     template = meta.get("tokenizer.chat_template")

@@ -105,7 +105,16 @@ def run_edgeinfer(engine: Engine, text: str, n_gen: int) -> Timing:
     return timing(start, first, last, native0, native1, CLOCK.spent, n_gen, stream.result.tokens)
 
 
-def timing(start: float, first: float, last: float, native0: float, native1: float, native2: float, n_gen: int, tokens: list[int]) -> Timing:
+def timing(
+    start: float,
+    first: float,
+    last: float,
+    native0: float,
+    native1: float,
+    native2: float,
+    n_gen: int,
+    tokens: list[int],
+) -> Timing:
     return (
         first - start,
         (n_gen - 1) / (last - first),
@@ -235,7 +244,9 @@ def main() -> None:
     # Room for prompt + answer, in llama.cpp's 256-token steps, so no side ever evicts.
     n_ctx = max(1024, -(-(args.prompt_tokens + args.gen_tokens) // 256) * 256)
 
-    engine = Engine(path, backend="llamacpp", kv_budget=f"{n_ctx}tok", kv_type="f16", threads=threads, batch_size=N_BATCH)
+    engine = Engine(
+        path, backend="llamacpp", kv_budget=f"{n_ctx}tok", kv_type="f16", threads=threads, batch_size=N_BATCH
+    )
     text = fixed_prompt(engine, args.prompt_tokens)
     plain = Plain(str(path), n_ctx, threads)
     sides: dict[str, Callable[[], Timing]] = {
@@ -260,7 +271,7 @@ def main() -> None:
     stats = {name: summary(runs) for name, runs in results.items()}
     # The verdict compares each edgeinfer run with the plain run beside it: on a shared VM the
     # load drifts by more than the differences measured, and neighbours see the same load.
-    pairs = list(zip(results["edgeinfer"], results["plain"]))
+    pairs = list(zip(results["edgeinfer"], results["plain"], strict=True))
     ratio = statistics.median(e[1] / p[1] for e, p in pairs)
     ttft_diff = statistics.median((e[0] - p[0]) * 1000 for e, p in pairs)
     # The same with llama.cpp's own time taken as equal on both sides (it is the same call on the
@@ -294,9 +305,9 @@ def main() -> None:
         print(f"{'side':<10} {'TTFT ms med':>12} {'TTFT ms min':>12} {'tok/s med':>10} {'tok/s min':>10} "
               f"{'TTFT outside llama.cpp ms':>26} {'per token outside us':>21}")  # fmt: skip
         for name, s in stats.items():
+            outside = f"{s['ttft_outside_llama_ms_median']:>26.3f} {s['token_outside_llama_us_median']:>21.1f}"
             print(f"{name:<10} {s['ttft_ms_median']:>12.2f} {s['ttft_ms_min']:>12.2f} "
-                  f"{s['decode_tok_s_median']:>10.2f} {s['decode_tok_s_min']:>10.2f} "
-                  f"{s['ttft_outside_llama_ms_median']:>26.3f} {s['token_outside_llama_us_median']:>21.1f}")  # fmt: skip
+                  f"{s['decode_tok_s_median']:>10.2f} {s['decode_tok_s_min']:>10.2f} {outside}")  # fmt: skip
         verdict = {True: "PASS", False: "FAIL"}
         print(f"decode edgeinfer/plain, median of paired runs: {ratio:.3f}x (target >= {DECODE_TARGET})  "
               f"{verdict[report['decode_pass']]}")  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 from edgeinfer import Engine
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # The native-build probe verdict goes to a cache dir; keep the tests' own.

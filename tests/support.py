@@ -16,7 +16,11 @@ def rewrite_gguf(src: Path, dst: Path, *, drop: tuple[str, ...] = (), strings: d
     """Copy a GGUF, dropping metadata keys and setting string keys; tensors are copied as they are."""
     reader = GGUFReader(src)
     strings = strings or {}
-    fields = [f for name, f in reader.fields.items() if not name.startswith("GGUF.") and name not in drop and name not in strings]
+    fields = [
+        f
+        for name, f in reader.fields.items()
+        if not name.startswith("GGUF.") and name not in drop and name not in strings
+    ]
     header = bytearray(b"GGUF")
     header += np.uint32(3).tobytes()
     header += np.uint64(len(reader.tensors)).tobytes()

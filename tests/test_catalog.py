@@ -15,9 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
 from huggingface_hub import constants as hf_constants
 
 from edgeinfer.errors import DownloadError, ModelNotFoundError
@@ -28,7 +25,10 @@ from edgeinfer.models.catalog import (
     pull,
     resolve_model,
 )
-from tests.hf_server import FakeHub
+
+from hf_server import FakeHub
+
+ROOT = Path(__file__).resolve().parents[1]
 
 REPO = "acme/Tiny-GGUF"
 FILE = "quants/Tiny-Q4_K_M.gguf"  # in a sub-folder, which hf: references allow

@@ -9,11 +9,23 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from support import SYSTEM
 
 from edgeinfer.cli import main
 
-FRANCE_ARGS = ["run", "What is the capital of France?", "--system", SYSTEM, "--temperature", "0", "--threads", "2", "--kv-budget", "512tok"]
+from support import SYSTEM
+
+FRANCE_ARGS = [
+    "run",
+    "What is the capital of France?",
+    "--system",
+    SYSTEM,
+    "--temperature",
+    "0",
+    "--threads",
+    "2",
+    "--kv-budget",
+    "512tok",
+]
 
 
 @pytest.fixture
@@ -38,7 +50,9 @@ def test_run_json_and_stats(cli):
 
 
 def test_run_reads_the_prompt_from_stdin(cli):
-    result = cli.invoke(main, FRANCE_ARGS[:1] + FRANCE_ARGS[2:] + ["--no-stream"], input="What is the capital of France?")
+    result = cli.invoke(
+        main, FRANCE_ARGS[:1] + FRANCE_ARGS[2:] + ["--no-stream"], input="What is the capital of France?"
+    )
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
 
@@ -74,7 +88,14 @@ def test_not_a_gguf_through_the_cli(cli, tmp_path):
 def test_info_reports_machine_and_model(cli, model_path):
     result = cli.invoke(main, ["info", str(model_path)])
     assert result.exit_code == 0, result.output
-    for needle in ("CPU features:", "backend llamacpp: available", "30 layers", "KV heads", "8,192 tokens", "Q4_1 x210"):
+    for needle in (
+        "CPU features:",
+        "backend llamacpp: available",
+        "30 layers",
+        "KV heads",
+        "8,192 tokens",
+        "Q4_1 x210",
+    ):
         assert needle in result.stdout
     report = json.loads(cli.invoke(main, ["info", "smollm2-135m", "--json"]).stdout)
     assert report["model"]["kv_bytes_per_token_f16"] == 23040 and report["cores"] >= 1
@@ -83,7 +104,7 @@ def test_info_reports_machine_and_model(cli, model_path):
 def test_list_shows_the_default_model_on_disk(cli):
     result = cli.invoke(main, ["list"])
     assert result.exit_code == 0
-    line = next(l for l in result.stdout.splitlines() if l.startswith("smollm2-135m"))
+    line = next(row for row in result.stdout.splitlines() if row.startswith("smollm2-135m"))
     assert "93.8 MiB" in line and "yes" in line
     rows = json.loads(cli.invoke(main, ["list", "--json"]).stdout)
     assert any(r["name"] == "smollm2-135m" and r["path"] for r in rows)
@@ -131,7 +152,9 @@ def test_pull_without_network_is_one_line(tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = run_edgeinfer("pull", "hf:org/repo/model.gguf", HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path))
+    proc = run_edgeinfer(
+        "pull", "hf:org/repo/model.gguf", HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path)
+    )
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: cannot download hf:org/repo/model.gguf: no network connection")
     assert proc.stderr.count("\n") == 1

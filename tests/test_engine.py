@@ -7,9 +7,10 @@ import threading
 
 import numpy as np
 import pytest
-from support import FRANCE, SYSTEM
 
 from edgeinfer import ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
+
+from support import FRANCE, SYSTEM
 
 
 def test_france_is_answered_with_paris(engine):
@@ -30,7 +31,10 @@ def test_greedy_is_deterministic_and_independent_of_the_cache(engine):
 
 def test_same_seed_same_text_other_seed_other_text(engine):
     prompt = "Write a short story about a robot who learns to paint."
-    runs = [engine.generate(prompt, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=s, max_tokens=40) for s in (7, 7, 8)]
+    runs = [
+        engine.generate(prompt, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=s, max_tokens=40)
+        for s in (7, 7, 8)
+    ]
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].tokens != runs[2].tokens
 

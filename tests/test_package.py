@@ -12,14 +12,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_wheel_puts_nothing_generic_into_site_packages(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     wheel = next(tmp_path.glob("edgeinfer-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names}
     assert top_level == {"edgeinfer", next(t for t in top_level if t.endswith(".dist-info"))}
-    for module in ("edgeinfer/backends/base.py", "edgeinfer/models/catalog.py", "edgeinfer/py.typed", "edgeinfer/cli.py"):
+    for module in (
+        "edgeinfer/backends/base.py",
+        "edgeinfer/models/catalog.py",
+        "edgeinfer/py.typed",
+        "edgeinfer/cli.py",
+    ):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "edgeinfer = edgeinfer.cli:main" in entry_points

@@ -51,8 +51,12 @@ def test_repetition_penalty_moves_away_from_recent_tokens():
 
 
 def test_seed_reproduces_and_differs():
-    assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) == draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1)
-    assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) != draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=2)
+    assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) == draws(
+        top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1
+    )
+    assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) != draws(
+        top_k=0, top_p=1, min_p=0, temperature=1.0, seed=2
+    )
 
 
 def test_split_multibyte_characters_wait_for_their_last_byte():

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from support import rewrite_gguf
 
 from edgeinfer import Engine, TemplateError
 from edgeinfer.chat import CHATML_TEMPLATE, ChatTemplate
 from edgeinfer.models.info import load_model_info
+
+from support import rewrite_gguf
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
