@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import signal
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -63,13 +64,36 @@ def last_log_lines(n: int = 3) -> str:
     return " | ".join(list(_recent_log)[-n:])
 
 
+@contextlib.contextmanager
+def _holding_ctrl_c() -> Iterator[list[int]]:
+    """Note Ctrl-C during a native call instead of raising it; the caller cleans up, then raises.
+
+    llama.cpp logs through a Python callback while it loads; a KeyboardInterrupt raised
+    inside that callback is printed and dropped by ctypes, and the load runs on.
+    """
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # only it receives signals
+        yield caught
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def load_model(path: str, *, vocab_only: bool = False) -> int:
     """Load a GGUF with llama.cpp; returns the model pointer."""
     lib = llama_lib()
     params = lib.llama_model_default_params()
     params.vocab_only = vocab_only
     _recent_log.clear()
-    model = lib.llama_model_load_from_file(path.encode(), params)
+    with _holding_ctrl_c() as interrupted:
+        model = lib.llama_model_load_from_file(path.encode(), params)
+    if interrupted:
+        if model:
+            lib.llama_model_free(model)
+        raise KeyboardInterrupt
     if not model:
         raise BackendError(f"llama.cpp could not load {path}: {last_log_lines() or 'no reason given'}")
     return model
@@ -106,7 +130,10 @@ class LlamaCppBackend:
             )
             params.no_perf = True
             _recent_log.clear()
-            self._ctx = lib.llama_init_from_model(self._model, params)
+            with _holding_ctrl_c() as interrupted:
+                self._ctx = lib.llama_init_from_model(self._model, params)
+            if interrupted:
+                raise KeyboardInterrupt  # close() below frees what was made
             if not self._ctx:
                 raise BackendError(f"llama.cpp could not create a context: {last_log_lines() or 'no reason given'}")
             self._memory = lib.llama_get_memory(self._ctx)

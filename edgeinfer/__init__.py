@@ -1,8 +1,14 @@
-"""edgeinfer: low-bit GGUF language models on the device, hard prompts to the cloud."""
+"""edgeinfer: low-bit GGUF language models on the device, hard prompts to the cloud.
+
+The public names load on first use, so ``import edgeinfer`` is instant and the
+command line can start (and be interrupted) before numpy or llama.cpp load.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path as _Path
+from typing import TYPE_CHECKING, Any
 
 # pyproject maps the sibling folders backends/, models/, ... under edgeinfer.
 # When Python imports straight from a source checkout (the repo root on sys.path)
@@ -11,24 +17,27 @@ _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "backends").is_dir():
     __path__.append(str(_checkout))
 
-from edgeinfer.chat import Message  # noqa: E402
-from edgeinfer.engine import AsyncStream, Engine, Result, Stream  # noqa: E402
-from edgeinfer.errors import (  # noqa: E402
-    BackendError,
-    BackendUnavailableError,
-    ContextFull,
-    DownloadError,
-    EdgeInferError,
-    InsufficientMemoryError,
-    InvalidModelError,
-    InvalidOptionError,
-    ModelNotFoundError,
-    TemplateError,
-)
-from edgeinfer.kv import KVBudget, KVPolicy  # noqa: E402
-from edgeinfer.metrics import Metrics  # noqa: E402
-from edgeinfer.sampling import SamplingParams  # noqa: E402
-
+_EXPORTS = {
+    "Message": "edgeinfer.chat",
+    "AsyncStream": "edgeinfer.engine",
+    "Engine": "edgeinfer.engine",
+    "Result": "edgeinfer.engine",
+    "Stream": "edgeinfer.engine",
+    "BackendError": "edgeinfer.errors",
+    "BackendUnavailableError": "edgeinfer.errors",
+    "ContextFull": "edgeinfer.errors",
+    "DownloadError": "edgeinfer.errors",
+    "EdgeInferError": "edgeinfer.errors",
+    "InsufficientMemoryError": "edgeinfer.errors",
+    "InvalidModelError": "edgeinfer.errors",
+    "InvalidOptionError": "edgeinfer.errors",
+    "ModelNotFoundError": "edgeinfer.errors",
+    "TemplateError": "edgeinfer.errors",
+    "KVBudget": "edgeinfer.kv",
+    "KVPolicy": "edgeinfer.kv",
+    "Metrics": "edgeinfer.metrics",
+    "SamplingParams": "edgeinfer.sampling",
+}
 __all__ = [
     "AsyncStream",
     "BackendError",
@@ -50,3 +59,31 @@ __all__ = [
     "Stream",
     "TemplateError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'edgeinfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from edgeinfer.chat import Message
+    from edgeinfer.engine import AsyncStream, Engine, Result, Stream
+    from edgeinfer.errors import (
+        BackendError,
+        BackendUnavailableError,
+        ContextFull,
+        DownloadError,
+        EdgeInferError,
+        InsufficientMemoryError,
+        InvalidModelError,
+        InvalidOptionError,
+        ModelNotFoundError,
+        TemplateError,
+    )
+    from edgeinfer.kv import KVBudget, KVPolicy
+    from edgeinfer.metrics import Metrics
+    from edgeinfer.sampling import SamplingParams

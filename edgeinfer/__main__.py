@@ -1,5 +1,5 @@
 """``python -m edgeinfer`` is the ``edgeinfer`` command."""
 
-from edgeinfer.cli import main
+from edgeinfer.console import main
 
-main(prog_name="edgeinfer")
+main()

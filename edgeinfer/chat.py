@@ -76,9 +76,13 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """Render ``messages`` to the prompt text the model was trained on."""
+        if isinstance(messages, (str, bytes)) or not messages:
+            raise TemplateError("a chat needs a non-empty list of messages")
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
                 raise TemplateError(f"message {i} must be a mapping with 'role' and 'content' keys")
+            if not isinstance(message["role"], str) or not isinstance(message["content"], str):
+                raise TemplateError(f"message {i}: 'role' and 'content' must be strings")
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],

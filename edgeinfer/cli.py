@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import click
 
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.console import EXIT_INTERRUPTED
+from edgeinfer.errors import ContextFull, EdgeInferError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, POLICIES
 from edgeinfer.models.catalog import DEFAULT_MODEL
 from edgeinfer.models.info import KV_TYPE_BYTES
@@ -26,7 +27,7 @@ _SAMPLING = SamplingParams()
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
+EXIT_USAGE = 2
 
 
 def _fail(message: str, code: int = EXIT_ERROR) -> None:
@@ -50,6 +51,10 @@ def _user_errors(fn: F) -> F:
             # Point stdout at /dev/null so the interpreter's final flush does not fail again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
+        except OSError as exc:
+            if exc.filename is not None:  # a file the command was reading: a bug if it got this far
+                raise
+            _fail(f"cannot write the output: {exc.strerror or exc}")
         except Exception as exc:
             # A bug, not a user error: still one line; EDGEINFER_DEBUG=1 shows the traceback.
             if os.environ.get("EDGEINFER_DEBUG"):
@@ -62,11 +67,25 @@ def _user_errors(fn: F) -> F:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgeinfer")
-def main() -> None:
+def cli() -> None:
     """Run small GGUF language models on this machine."""
 
 
-@main.command()
+def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
+    """The console entry point: click's usage errors become one line too."""
+    try:
+        code = cli.main(args=args, prog_name=prog_name, standalone_mode=False)
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx else prog_name
+        _fail(f"{exc.format_message()} (see '{command} --help')", EXIT_USAGE)
+    except click.ClickException as exc:
+        _fail(exc.format_message())
+    except click.Abort:  # Ctrl-C while click itself was reading input
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option(
     "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
@@ -140,6 +159,13 @@ def run(
         prompt = sys.stdin.read()
     if not prompt.strip():
         _fail("the prompt is empty: pass some text as an argument or on standard input")
+    for name, text in (("prompt", prompt), ("system prompt", system_prompt or "")):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            _fail(f"the {name} is not valid UTF-8 text; pass UTF-8")
+    if sys.stdout is None:
+        _fail("standard output is closed: there is nowhere to write the answer")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -157,13 +183,21 @@ def run(
         model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
     )
     with engine, engine.stream(messages, params) as stream:
-        if as_json or no_stream:
-            for _ in stream:
-                pass
-        else:
-            for piece in stream:
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
+        try:
+            if as_json or no_stream:
+                for _ in stream:
+                    pass
+            else:
+                for piece in stream:
+                    click.echo(piece, nl=False)
+                    sys.stdout.flush()
+        except ContextFull as full:
+            # What was generated before the cache filled is the user's: print it, then the error.
+            if as_json:
+                click.echo(json.dumps({"text": full.partial, "finish_reason": "context_full", "error": str(full)}))
+            else:
+                click.echo("" if not no_stream else full.partial)
+            raise
         result = stream.result
         assert result is not None
         if as_json:
@@ -179,7 +213,7 @@ def run(
             click.echo(result.metrics.format(), err=True)
 
 
-@main.command()
+@cli.command()
 @click.argument("model", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_user_errors
@@ -249,7 +283,7 @@ def _llama_cpp_build() -> str:
     return build_info()
 
 
-@main.command(name="list")
+@cli.command(name="list")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 @_user_errors
 def list_(as_json: bool) -> None:
@@ -278,12 +312,14 @@ def list_(as_json: bool) -> None:
         click.echo(f"{m.name:<{name_width}}  {size:>{size_width}}  {'yes' if m.path else 'no':<7}  {m.description}")
 
 
-@main.command()
+@cli.command()
 @click.argument("model")
 @_user_errors
 def pull(model: str) -> None:
     """Download MODEL (catalog alias or hf:ORG/REPO/FILE.gguf) into the Hugging Face cache."""
     from edgeinfer.models.catalog import pull as pull_model
+    from edgeinfer.models.info import load_model_info
 
     path = pull_model(model)
+    load_model_info(path)  # a download that is not a usable GGUF is reported now, not at first use
     click.echo(str(path))

@@ -18,16 +18,18 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Literal
 
+import numpy as np
+
 from edgeinfer.backends import backend_class
 from edgeinfer.backends.base import Backend, BackendOptions
 from edgeinfer.chat import ChatTemplate, Message
-from edgeinfer.errors import ContextFull, EdgeInferError, InvalidOptionError
+from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, KVBudget, KVPolicy
 from edgeinfer.metrics import Metrics
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.models.info import ModelInfo, load_model_info
 from edgeinfer.sampling import Sampler, SamplingParams
-from edgeinfer.system import check_memory, default_threads, estimate_memory
+from edgeinfer.system import check_memory, default_threads, estimate_memory, usable_cores
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
@@ -180,7 +182,8 @@ class Engine:
         kv_budget: the KV cache cap, in bytes (``"64MB"``, or an int) or tokens (``"512tok"``).
         kv_policy: ``"sinks"``, ``"shift"`` or ``"error"`` (see ``KVPolicy``), or a ``KVPolicy``.
         kv_type: KV element type, ``"f16"`` or ``"q8_0"`` where the backend supports it.
-        threads: CPU threads; default: the cores that are free right now.
+        threads: CPU threads; default: the cores that are free right now. More than this
+            process may use are capped to them.
         batch_size: most prompt tokens evaluated in one step.
         force: load even if the memory estimate says it will not fit.
 
@@ -219,7 +222,9 @@ class Engine:
             raise InvalidOptionError(f"a KV budget of {wanted} tokens is too small; give at least {MIN_KV_TOKENS}")
         check_memory(estimate_memory(self.info, -(-wanted // block) * block, kv_type, batch_size), force=force)
 
-        self.threads = threads or default_threads()
+        # More threads than cores makes llama.cpp's spinning threads fight: up to 100x slower.
+        self.threads = min(threads, usable_cores()) if threads else default_threads()
+        self.batch_size = batch_size
         self.kv_type = kv_type
         self.tokenizer = Tokenizer(self.model_path)
         self.template = ChatTemplate(
@@ -258,6 +263,10 @@ class Engine:
         Sampling options (``max_tokens``, ``temperature``, ``seed``, ``stop``, ...) are the
         fields of ``SamplingParams`` and override ``params``.
         """
+        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
+            raise InvalidOptionError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidOptionError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams()
         if options:
             unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
@@ -356,9 +365,6 @@ class Engine:
             raise InvalidOptionError("the prompt is empty: give the model some text to continue")
         prompt = self.kv_policy.fit_prompt(prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=budget)
         m.prompt_tokens = len(prompt)
-        if cancel.is_set():  # cancelled before it started: skip the prefill
-            m.total_s = perf_counter() - start
-            return Result("", [], "cancelled", m, self.model_path.name, backend.name)
 
         # Reuse the cached prefix (a chat's earlier turns); the last prompt token is always
         # evaluated, since its logits pick the first new token.
@@ -366,15 +372,28 @@ class Engine:
         backend.truncate(reuse)
         del cached[reuse:]
         m.cached_tokens = reuse
+        # Prefill a batch at a time, so a cancel waits for one batch, not the whole prompt.
         t = perf_counter()
-        logits = backend.eval(prompt[reuse:], reuse)
-        cached.extend(prompt[reuse:])
+        logits: np.ndarray | None = None  # stays None only if cancelled before the first batch
+        for first in range(reuse, len(prompt), self.batch_size):
+            if cancel.is_set():
+                break
+            batch = prompt[first : first + self.batch_size]
+            logits = backend.eval(batch, first)
+            cached.extend(batch)
         m.prefill_s = perf_counter() - t
+        if logits is not None and not np.isfinite(logits).all():
+            raise BackendError(
+                f"{self.model_path.name} produced NaN or infinite logits: its weights are corrupt; re-download it"
+            )
 
         output: list[int] = []
         finish: FinishReason = "length"
         try:
             while True:
+                if logits is None or cancel.is_set():
+                    finish = "cancelled"
+                    break
                 t = perf_counter()
                 token = sampler(logits, cached)
                 t_sampled = perf_counter()
@@ -394,9 +413,6 @@ class Engine:
                     finish = "stop"
                     break
                 if len(output) >= params.max_tokens:
-                    break
-                if cancel.is_set():
-                    finish = "cancelled"
                     break
                 if len(cached) + 1 > self.capacity:
                     self._make_room(1, m)

@@ -7,6 +7,7 @@ same token). ``temperature == 0`` is greedy and skips everything after the penal
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidOptionError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(s for s in stop if s))
+        for name in ("max_tokens", "top_k", "repeat_last_n"):
+            if not _is_int(getattr(self, name)):
+                raise InvalidOptionError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidOptionError(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            raise InvalidOptionError(
+                f"seed must be a non-negative integer (leave it out for a random one), got {self.seed!r}"
+            )
         checks = (
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}"),
@@ -47,10 +63,10 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidOptionError(message)
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Sampler:

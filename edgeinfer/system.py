@@ -169,6 +169,8 @@ def probe_native_build(model_path: Path, *, command: list[str] | None = None) ->
         verified = json.loads(state_file.read_text())
     except (OSError, ValueError):
         verified = {}
+    if not isinstance(verified, dict):  # damaged by hand or by a crash elsewhere: start afresh
+        verified = {}
     if command is None and build is not None and verified.get(build) == "ok":
         return
     package_root = str(Path(__file__).resolve().parent.parent)

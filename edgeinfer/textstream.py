@@ -29,11 +29,15 @@ class TextStream:
         return self._emit(self._held + self._decoder.decode(piece))
 
     def flush(self) -> str:
-        """End of generation: release whatever was held back."""
+        """End of generation: release whatever was held back.
+
+        The bytes of a character that generation stopped in the middle of are dropped,
+        never shown as a replacement character.
+        """
         if self.stopped:
             return ""
-        tail = self._held + self._decoder.decode(b"", final=True)
-        self._held = ""
+        self._decoder.reset()
+        tail, self._held = self._held, ""
         cut = self._find_stop(tail)
         if cut is not None:
             self.stopped = True

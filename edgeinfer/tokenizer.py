@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 from pathlib import Path
 
-from edgeinfer.errors import BackendUnavailableError
+from edgeinfer.errors import BackendUnavailableError, EdgeInferError, InvalidOptionError
 
 
 class Tokenizer:
@@ -38,7 +38,13 @@ class Tokenizer:
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids for ``text``. ``add_special`` adds BOS if the model wants it;
         ``parse_special`` turns markers such as ``<|im_start|>`` into their single tokens."""
-        data = text.encode("utf-8")
+        self._check_open()
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidOptionError(
+                f"the text is not valid Unicode (an undecodable byte at position {exc.start}); pass UTF-8 text"
+            ) from None
         capacity = len(data) + 2
         buf = (ctypes.c_int32 * capacity)()
         n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
@@ -70,7 +76,12 @@ class Tokenizer:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
+    def _check_open(self) -> None:
+        if self._model is None:
+            raise EdgeInferError("this tokenizer is closed (its engine was closed); create a new Engine")
+
     def _render(self, token: int, *, special: bool) -> bytes:
+        self._check_open()
         buf = ctypes.create_string_buffer(64)
         n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:

@@ -216,6 +216,8 @@ def list_models() -> list[ModelListing]:
 
 
 def _local_file(path: Path) -> Path:
+    if path.is_dir():
+        raise ModelNotFoundError(f"{path} is a directory; pass the .gguf file inside it")
     if not path.is_file():
         raise ModelNotFoundError(f"model file not found: {path} ({_SPEC_HINT})")
     return path

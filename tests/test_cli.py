@@ -10,7 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from edgeinfer.cli import main
+from edgeinfer.cli import cli
 
 from support import SYSTEM
 
@@ -29,18 +29,18 @@ FRANCE_ARGS = [
 
 
 @pytest.fixture
-def cli():
+def runner():
     return CliRunner()
 
 
-def test_run_streams_the_answer(cli):
-    result = cli.invoke(main, FRANCE_ARGS)
+def test_run_streams_the_answer(runner):
+    result = runner.invoke(cli, FRANCE_ARGS)
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
 
 
-def test_run_json_and_stats(cli):
-    result = cli.invoke(main, [*FRANCE_ARGS, "--json", "--stats"])
+def test_run_json_and_stats(runner):
+    result = runner.invoke(cli, [*FRANCE_ARGS, "--json", "--stats"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert "Paris" in payload["text"] and payload["finish_reason"] == "stop"
@@ -49,9 +49,9 @@ def test_run_json_and_stats(cli):
         assert line in result.stderr
 
 
-def test_run_reads_the_prompt_from_stdin(cli):
-    result = cli.invoke(
-        main, FRANCE_ARGS[:1] + FRANCE_ARGS[2:] + ["--no-stream"], input="What is the capital of France?"
+def test_run_reads_the_prompt_from_stdin(runner):
+    result = runner.invoke(
+        cli, FRANCE_ARGS[:1] + FRANCE_ARGS[2:] + ["--no-stream"], input="What is the capital of France?"
     )
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
@@ -70,23 +70,23 @@ def test_run_reads_the_prompt_from_stdin(cli):
         (["info", "/no/such.gguf"], "model file not found"),
     ],
 )
-def test_user_errors_are_one_line_on_stderr(cli, args, needle):
-    result = cli.invoke(main, args)
+def test_user_errors_are_one_line_on_stderr(runner, args, needle):
+    result = runner.invoke(cli, args)
     assert result.exit_code == 1
     assert result.stdout == ""
     assert result.stderr.startswith("error: ") and needle in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
-def test_not_a_gguf_through_the_cli(cli, tmp_path):
+def test_not_a_gguf_through_the_cli(runner, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"<html>404</html>" * 10)
-    result = cli.invoke(main, ["run", "hi", "--model", str(fake)])
+    result = runner.invoke(cli, ["run", "hi", "--model", str(fake)])
     assert result.exit_code == 1 and "not a GGUF file" in result.stderr
 
 
-def test_info_reports_machine_and_model(cli, model_path):
-    result = cli.invoke(main, ["info", str(model_path)])
+def test_info_reports_machine_and_model(runner, model_path):
+    result = runner.invoke(cli, ["info", str(model_path)])
     assert result.exit_code == 0, result.output
     for needle in (
         "CPU features:",
@@ -97,16 +97,16 @@ def test_info_reports_machine_and_model(cli, model_path):
         "Q4_1 x210",
     ):
         assert needle in result.stdout
-    report = json.loads(cli.invoke(main, ["info", "smollm2-135m", "--json"]).stdout)
+    report = json.loads(runner.invoke(cli, ["info", "smollm2-135m", "--json"]).stdout)
     assert report["model"]["kv_bytes_per_token_f16"] == 23040 and report["cores"] >= 1
 
 
-def test_list_shows_the_default_model_on_disk(cli):
-    result = cli.invoke(main, ["list"])
+def test_list_shows_the_default_model_on_disk(runner):
+    result = runner.invoke(cli, ["list"])
     assert result.exit_code == 0
     line = next(row for row in result.stdout.splitlines() if row.startswith("smollm2-135m"))
     assert "93.8 MiB" in line and "yes" in line
-    rows = json.loads(cli.invoke(main, ["list", "--json"]).stdout)
+    rows = json.loads(runner.invoke(cli, ["list", "--json"]).stdout)
     assert any(r["name"] == "smollm2-135m" and r["path"] for r in rows)
 
 
@@ -177,3 +177,65 @@ def test_closed_pipe_and_ctrl_c_end_quietly():
     interrupted.send_signal(signal.SIGINT)
     assert interrupted.wait(timeout=60) == 130
     assert b"Traceback" not in interrupted.stderr.read()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["run", "hi", "--kv-policy", "nope"], ["run", "hi", "--max-tokens", "abc"], ["frobnicate"], ["pull"]],
+)
+def test_usage_errors_are_one_line_too(args):
+    proc = run_edgeinfer(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and "--help" in proc.stderr
+
+
+def test_invalid_utf8_prompt_is_refused_before_loading():
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", b"caf\xe9"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1 and proc.stderr == "error: the prompt is not valid UTF-8 text; pass UTF-8\n"
+
+
+def test_context_full_keeps_the_partial_answer(runner):
+    args = [
+        "run",
+        "Write a long story about a robot.",
+        "--kv-budget",
+        "48tok",
+        "--kv-policy",
+        "error",
+        "--threads",
+        "2",
+    ]
+    result = runner.invoke(cli, [*args, "--json"])
+    assert result.exit_code == 1
+    payload = json.loads(result.stdout)
+    assert payload["finish_reason"] == "context_full" and len(payload["text"]) > 0
+    assert result.stderr.startswith("error: KV cache full")
+    no_stream = runner.invoke(cli, [*args, "--no-stream", "--seed", "1"])
+    assert no_stream.exit_code == 1 and no_stream.stdout.strip()
+
+
+def test_a_full_disk_is_a_clear_error():
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "edgeinfer", *FRANCE_ARGS],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: cannot write the output: No space left on device")
+
+
+def test_pull_of_a_file_that_is_not_a_model(runner, tmp_path):
+    fake = tmp_path / "image.gguf"
+    fake.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    result = runner.invoke(cli, ["pull", str(fake)])
+    assert result.exit_code == 1 and "not a GGUF file" in result.stderr
+
+
+def test_a_directory_is_not_a_model(runner, tmp_path):
+    result = runner.invoke(cli, ["run", "hi", "--model", str(tmp_path)])
+    assert result.exit_code == 1 and "is a directory" in result.stderr

@@ -289,3 +289,57 @@ async def test_async_stream_closes_cleanly_after_the_end_and_when_abandoned(engi
             break
     assert early.result.finish_reason == "cancelled"
     assert (await asyncio.wait_for(engine.agenerate("Hi", max_tokens=2), timeout=10)).metrics.output_tokens <= 2
+
+
+def test_tokenize_after_close_is_an_error_not_a_crash(model_path):
+    engine = Engine(model_path, kv_budget="512tok", threads=1)
+    engine.close()
+    with pytest.raises(EdgeInferError, match="closed"):
+        engine.tokenize("hi")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [(None, "string or a list of messages"), ([], "non-empty list"), ([{"role": "user", "content": None}], "strings")],
+)
+def test_bad_prompts_are_clear_errors(engine, prompt, needle):
+    with pytest.raises(EdgeInferError, match=needle):
+        engine.generate(prompt)
+
+
+def test_text_that_is_not_unicode_is_a_clear_error(engine):
+    with pytest.raises(InvalidOptionError, match="not valid Unicode"):
+        engine.generate("caf\udce9")
+
+
+def test_threads_beyond_the_cores_are_capped(model_path):
+    from edgeinfer.system import usable_cores
+
+    with Engine(model_path, kv_budget="512tok", threads=1000) as engine:
+        assert engine.threads == usable_cores()
+
+
+def test_cancel_during_a_long_prefill_stops_between_batches(model_path):
+    with Engine(model_path, kv_budget="2048tok", threads=2, batch_size=32) as engine:
+        prompt = "The quick brown fox jumps over the lazy dog. " * 150  # ~1,500 tokens, 47 batches
+        stream = engine.stream(prompt, max_tokens=10)
+        threading.Timer(0.3, stream.cancel).start()
+        assert list(stream) == []
+        result = stream.result
+        assert result.finish_reason == "cancelled" and result.tokens == []
+        assert 0 < result.metrics.kv_used < result.metrics.prompt_tokens  # stopped part-way
+        # The next call reuses what was prefilled before the cancel.
+        assert engine.generate(prompt, max_tokens=1).metrics.cached_tokens == result.metrics.kv_used
+
+
+def test_corrupt_weights_are_reported_not_sampled(model_path, tmp_path):
+    from edgeinfer import BackendError
+    from edgeinfer.models.gguf_file import read_header
+
+    norm = next(t for t in read_header(model_path).tensors if t.name == "output_norm.weight")
+    data = bytearray(model_path.read_bytes())
+    data[norm.offset : norm.offset + norm.nbytes] = np.full(norm.nbytes // 4, np.nan, dtype=np.float32).tobytes()
+    broken = tmp_path / "nan.gguf"
+    broken.write_bytes(data)
+    with Engine(broken, kv_budget="512tok", threads=2) as engine, pytest.raises(BackendError, match="NaN or infinite"):
+        engine.generate("Hello", max_tokens=3)

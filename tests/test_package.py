@@ -27,7 +27,7 @@ def test_wheel_puts_nothing_generic_into_site_packages(tmp_path):
     ):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "edgeinfer = edgeinfer.cli:main" in entry_points
+    assert "edgeinfer = edgeinfer.console:main" in entry_points
 
 
 def test_installed_package_imports_from_anywhere(tmp_path):
@@ -36,3 +36,11 @@ def test_installed_package_imports_from_anywhere(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("edgeinfer/__init__.py")
+
+
+def test_every_public_name_resolves():
+    import edgeinfer
+
+    assert sorted(edgeinfer.__all__) == sorted(edgeinfer._EXPORTS)
+    for name in edgeinfer.__all__:
+        assert getattr(edgeinfer, name).__name__ == name

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from edgeinfer import InvalidOptionError
 from edgeinfer.sampling import Sampler, SamplingParams
 from edgeinfer.textstream import TextStream
 
@@ -82,3 +84,28 @@ def test_a_false_start_of_a_stop_string_is_released():
     assert stream.push(b" <") == " "
     assert stream.flush() == "<"
     assert not stream.stopped
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"seed": -1},
+        {"seed": 1.5},
+        {"stop": None},
+        {"stop": [1]},
+        {"max_tokens": "5"},
+        {"max_tokens": 2.5},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+    ],
+)
+def test_bad_sampling_values_are_option_errors(options):
+    with pytest.raises(InvalidOptionError):
+        SamplingParams(**options)
+
+
+def test_a_character_cut_off_by_max_tokens_is_dropped_not_replaced():
+    stream = TextStream()
+    assert stream.push("ok 🤖".encode()[:-2]) == "ok "
+    assert stream.flush() == ""
+    assert stream.text == "ok "

@@ -91,3 +91,11 @@ def test_engine_runs_the_probe_before_loading(model_path):
     state.unlink(missing_ok=True)
     with Engine(model_path, kv_budget="512tok", threads=1):
         assert list(json.loads(state.read_text()).values()) == ["ok"]
+
+
+def test_a_damaged_probe_cache_is_ignored(model_path):
+    state = cache_dir() / "native-probe.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text("[]")
+    probe_native_build(model_path)
+    assert list(json.loads(state.read_text()).values()) == ["ok"]
