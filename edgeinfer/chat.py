@@ -37,6 +37,26 @@ CHATML_TEMPLATE = (
 )
 
 
+# A prompt is a few kilobytes; a template that renders far more is broken or hostile
+# (`{{ 'A' * 10**9 }}` would take gigabytes before anything else could object).
+MAX_RENDERED_CHARS = 1_000_000
+
+
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus a cap on what ``*`` and ``**`` may build."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDERED_CHARS:
+                    raise TemplateError(f"the chat template builds a value of {len(seq) * n:,} items; refused")
+        if operator == "**" and isinstance(right, int) and right > 1000:
+            raise TemplateError(f"the chat template raises a number to the power {right}; refused")
+        return super().call_binop(context, operator, left, right)
+
+
 def _raise_exception(message: str) -> None:
     # Templates call raise_exception() to reject conversations they cannot format.
     raise TemplateError(f"the chat template rejected the conversation: {message}")
@@ -66,7 +86,7 @@ class ChatTemplate:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         env.filters["tojson"] = _tojson
         try:
@@ -84,12 +104,19 @@ class ChatTemplate:
             if not isinstance(message["role"], str) or not isinstance(message["content"], str):
                 raise TemplateError(f"message {i}: 'role' and 'content' must be strings")
         try:
-            return self._template.render(
+            pieces = self._template.generate(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
             )
+            out, size = [], 0
+            for piece in pieces:
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise TemplateError(f"the chat template renders over {MAX_RENDERED_CHARS:,} characters; refused")
+                out.append(piece)
+            return "".join(out)
         except SecurityError as exc:
             raise TemplateError(
                 f"the chat template tried to reach Python internals and was stopped ({_one_line(exc)}); "

@@ -73,3 +73,17 @@ def test_tojson_keeps_unicode_as_hugging_face_does():
     assert ChatTemplate("{{ messages[0] | tojson }}").render([{"role": "user", "content": "é"}]) == (
         '{"role": "user", "content": "é"}'
     )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'A' * 100000000 }}",
+        "{{ ['x'] * 10000000 }}",
+        "{{ 10 ** 100000000 }}",
+        "{% for i in range(100000) %}{{ 'ABCDEFGHIJ' * 10 }}{% endfor %}",
+    ],
+)
+def test_templates_cannot_exhaust_memory(source):
+    with pytest.raises(TemplateError, match="refused"):
+        ChatTemplate(source).render(MESSAGES)
