@@ -340,8 +340,11 @@ class Engine:
         start = perf_counter()  # TTFT counts any wait for another generation to finish
         with self._hold():
             m = Metrics(kv_capacity=self.capacity)
+            t = perf_counter()
             tokens = self.tokenize(prompt)
-            m.tokenize_s = perf_counter() - start
+            m.tokenize_s = perf_counter() - t
+            if not tokens:
+                raise InvalidOptionError("the prompt is empty: give the model some text to continue")
             try:
                 result = yield from self._decode(tokens, params, cancel, m, start)
             except (ContextFull, GeneratorExit):
@@ -361,8 +364,6 @@ class Engine:
         text = TextStream(params.stop)
         budget = self.kv_budget.describe(self.capacity)
         reserve = min(params.max_tokens, self.capacity // 4)
-        if not prompt:
-            raise InvalidOptionError("the prompt is empty: give the model some text to continue")
         prompt = self.kv_policy.fit_prompt(prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=budget)
         m.prompt_tokens = len(prompt)
 
