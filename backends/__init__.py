@@ -9,6 +9,9 @@ from edgeinfer.errors import BackendUnavailableError
 
 from .base import Backend, BackendOptions
 
+# What importing a backend raises when its package is missing or its native library will not load.
+LOAD_ERRORS = (ImportError, OSError, RuntimeError)
+
 # name -> "module:Class", in the order "auto" tries them.
 BACKENDS: dict[str, str] = {
     "llamacpp": "edgeinfer.backends.llamacpp:LlamaCppBackend",
@@ -30,7 +33,7 @@ def backend_class(name: str) -> type[Backend]:
     module_name, _, class_name = BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
-    except (ImportError, OSError, RuntimeError) as exc:  # a missing package, or a native library that fails to load
+    except LOAD_ERRORS as exc:
         raise BackendUnavailableError(f"backend {name!r} cannot be loaded: {exc}") from None
     return getattr(module, class_name)
 
@@ -47,4 +50,4 @@ def backend_status() -> dict[str, str]:
     return status
 
 
-__all__ = ["BACKENDS", "Backend", "BackendOptions", "backend_class", "backend_status"]
+__all__ = ["BACKENDS", "LOAD_ERRORS", "Backend", "BackendOptions", "backend_class", "backend_status"]

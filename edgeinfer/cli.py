@@ -51,11 +51,9 @@ def _user_errors(fn: F) -> F:
             # Point stdout at /dev/null so the interpreter's final flush does not fail again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
-        except OSError as exc:
-            if exc.filename is not None:  # a file the command was reading: a bug if it got this far
-                raise
-            _fail(f"cannot write the output: {exc.strerror or exc}")
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.filename is None:  # stdout: a full disk, a closed descriptor
+                _fail(f"cannot write the output: {exc.strerror or exc}")
             # A bug, not a user error: still one line; EDGEINFER_DEBUG=1 shows the traceback.
             if os.environ.get("EDGEINFER_DEBUG"):
                 raise
@@ -276,10 +274,12 @@ def info(model: str | None, as_json: bool) -> None:
 
 
 def _llama_cpp_build() -> str:
+    from edgeinfer.backends import LOAD_ERRORS
+
     try:
         from edgeinfer.backends.llamacpp import build_info
-    except ImportError:
-        return "llama-cpp-python is not installed"
+    except LOAD_ERRORS as exc:
+        return f"cannot be loaded ({exc})"
     return build_info()
 
 

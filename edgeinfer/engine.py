@@ -236,6 +236,7 @@ class Engine:
             self.info, BackendOptions(kv_tokens=wanted, kv_type=kv_type, threads=self.threads, batch_size=batch_size)
         )
         self.capacity = min(wanted, self.backend.capacity)
+        self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
         self._cached: list[int] = []  # the tokens in the backend's KV cache, by position
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -362,9 +363,10 @@ class Engine:
         cached, backend, tokenizer = self._cached, self.backend, self.tokenizer
         sampler = Sampler(params)
         text = TextStream(params.stop)
-        budget = self.kv_budget.describe(self.capacity)
         reserve = min(params.max_tokens, self.capacity // 4)
-        prompt = self.kv_policy.fit_prompt(prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=budget)
+        prompt = self.kv_policy.fit_prompt(
+            prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=self._budget_text
+        )
         m.prompt_tokens = len(prompt)
 
         # Reuse the cached prefix (a chat's earlier turns); the last prompt token is always
@@ -437,7 +439,7 @@ class Engine:
             n_incoming,
             self.capacity,
             has_bos=self.tokenizer.add_bos,
-            budget=self.kv_budget.describe(self.capacity),
+            budget=self._budget_text,
         )
         self.backend.evict(start, end)
         del self._cached[start:end]

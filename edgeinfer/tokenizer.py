@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 from pathlib import Path
 
+from edgeinfer.backends import LOAD_ERRORS
 from edgeinfer.errors import BackendUnavailableError, EdgeInferError, InvalidOptionError
 
 
@@ -20,7 +21,7 @@ class Tokenizer:
         # Imported here so that `import edgeinfer` works, and says what is wrong, without llama.cpp.
         try:
             from edgeinfer.backends.llamacpp import llama_lib, load_model
-        except (ImportError, OSError, RuntimeError) as exc:
+        except LOAD_ERRORS as exc:
             raise BackendUnavailableError(
                 f"llama-cpp-python, which edgeinfer tokenizes with, cannot be loaded ({exc}); "
                 "install it as README.md shows"

@@ -84,8 +84,11 @@ class _Cursor:
     def fail(self, what: str) -> InvalidModelError:
         return InvalidModelError(f"{self.path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
 
+    def truncated(self, what: str) -> InvalidModelError:
+        return self.fail(f"{what}; the file is truncated or corrupt")
+
     def past_end(self, what: str) -> InvalidModelError:
-        return self.fail(f"{what} runs past the end of the file at offset {self.pos}; the file is truncated or corrupt")
+        return self.truncated(f"{what} runs past the end of the file at offset {self.pos}")
 
     def skip(self, n: int, what: str) -> None:
         if n < 0 or n > len(self.buf) - self.pos:
@@ -140,9 +143,7 @@ class _Cursor:
             raise self.fail(f"array '{key}' nests arrays, which GGUF does not allow")
         min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
         if count * min_size > len(self.buf) - self.pos:
-            raise self.fail(
-                f"array '{key}' claims {count} elements, more than the file holds; it is truncated or corrupt"
-            )
+            raise self.truncated(f"array '{key}' claims {count} elements, more than the file holds")
         if count > MAX_DECODED_ARRAY:
             if etype == GGUFValueType.STRING:
                 self.skip_strings(count, key)
@@ -181,9 +182,7 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
     n_kv = cur.scalar("<Q", "metadata count")
     # Each key/value needs at least 8 (key length) + 4 (type) + 1 bytes; each tensor 8 + 4 + 4 + 8.
     if n_kv * 13 > file_size or n_tensors * 24 > file_size:
-        raise cur.fail(
-            f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes; it is truncated or corrupt"
-        )
+        raise cur.truncated(f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes")
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
