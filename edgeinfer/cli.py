@@ -232,18 +232,19 @@ def info(model: str | None, as_json: bool) -> None:
     }
     if model is not None:
         meta = load_model_info(resolve_model(model, download=False))
+        hp = meta.hparams
         report["model"] = {
             "path": str(meta.path),
             "name": meta.name,
             "architecture": meta.architecture,
             "file_size_bytes": meta.file_size,
-            "layers": meta.n_layer,
-            "embedding": meta.n_embd,
-            "heads": meta.n_head,
-            "kv_heads": max(meta.n_head_kv),
-            "head_dim": meta.head_dim_k,
-            "context_length": meta.n_ctx_train,
-            "vocab_size": meta.n_vocab,
+            "layers": hp.n_layer,
+            "embedding": hp.n_embd,
+            "heads": hp.n_head,
+            "kv_heads": hp.n_head_kv,
+            "head_dim": hp.head_dim,
+            "context_length": hp.n_ctx_train,
+            "vocab_size": hp.n_vocab,
             "tensor_types": meta.tensor_types,
             "kv_bytes_per_token_f16": meta.kv_bytes_per_token("f16"),
             "chat_template": "built in" if meta.chat_template else "none (ChatML is used)",

@@ -105,7 +105,7 @@ def estimate_memory(info: ModelInfo, kv_tokens: int, kv_type: str, batch_size: i
     """Weights (the file, mapped), the KV cache and the compute buffers for one batch."""
     kv = int(kv_tokens * info.kv_bytes_per_token(kv_type))
     # One batch of activations and the logits row buffer, in f32.
-    compute = 4 * batch_size * (info.n_vocab + 8 * info.n_embd)
+    compute = 4 * batch_size * (info.hparams.n_vocab + 8 * info.hparams.n_embd)
     return MemoryEstimate(weights=info.file_size, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute)
 
 

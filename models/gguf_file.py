@@ -50,6 +50,13 @@ class SkippedArray:
     count: int
 
 
+def array_length(value: Any) -> int:
+    """Elements in a metadata array, whether kept or skipped; 0 for anything else."""
+    if isinstance(value, SkippedArray):
+        return value.count
+    return len(value) if isinstance(value, list) else 0
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One entry of the tensor directory. ``shape`` is in ggml order (fastest dimension first)."""
@@ -211,14 +218,22 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
         raw_tensors.append((name, shape, type_raw, offset))
 
     data_offset = -(-cur.pos // alignment) * alignment
-    tensors = tuple(_check_tensor(cur, data_offset, alignment, file_size, *t) for t in raw_tensors)
-    return GGUFHeader(cur.path, version, file_size, metadata, tensors, data_offset)
+    tensors = []
+    expected_offset = 0  # llama.cpp wants the tensors' data back to back, in directory order
+    for name, shape, type_raw, offset in raw_tensors:
+        if offset != expected_offset:
+            raise cur.fail(
+                f"tensor '{name}' has data offset {offset}; it should follow the previous one at {expected_offset}"
+            )
+        tensor = _check_tensor(cur, data_offset, file_size, name, shape, type_raw, offset)
+        expected_offset += -(-tensor.nbytes // alignment) * alignment
+        tensors.append(tensor)
+    return GGUFHeader(cur.path, version, file_size, metadata, tuple(tensors), data_offset)
 
 
 def _check_tensor(
     cur: _Cursor,
     data_offset: int,
-    alignment: int,
     file_size: int,
     name: str,
     shape: tuple[int, ...],
@@ -239,8 +254,6 @@ def _check_tensor(
         raise cur.fail(f"tensor '{name}' has unknown type {type_raw}") from None
     if shape[0] % block_size:
         raise cur.fail(f"tensor '{name}' rows of {shape[0]} do not divide into {qtype.name} blocks of {block_size}")
-    if offset % alignment:
-        raise cur.fail(f"tensor '{name}' offset {offset} is not aligned to {alignment}")
     nbytes = n_elements // block_size * type_size
     start = data_offset + offset
     if start + nbytes > file_size:

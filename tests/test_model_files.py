@@ -19,9 +19,11 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
 
 def test_the_real_header(model_path):
     info = load_model_info(model_path)
-    assert (info.architecture, info.n_layer, info.n_embd, info.n_head) == ("llama", 30, 576, 9)
-    assert info.n_head_kv == (3,) * 30 and info.head_dim_k == 64 and info.n_vocab == 49152
-    assert info.n_ctx_train == 8192 and info.kv_bytes_per_token() == 23040
+    hp = info.hparams
+    assert (info.architecture, hp.n_layer, hp.n_embd, hp.n_head, hp.n_ff) == ("llama", 30, 576, 9, 1536)
+    assert hp.n_head_kv == 3 and hp.head_dim == 64 and hp.n_vocab == 49152 and hp.tied_embeddings
+    assert hp.rope_base == 100000 and hp.arch.rope_style == "norm" and not hp.arch.qkv_bias
+    assert hp.n_ctx_train == 8192 and info.kv_bytes_per_token() == 23040
     assert info.tensor_types == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
 
 
