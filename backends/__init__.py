@@ -15,6 +15,7 @@ LOAD_ERRORS = (ImportError, OSError, RuntimeError)
 # name -> "module:Class", in the order "auto" tries them.
 BACKENDS: dict[str, str] = {
     "llamacpp": "edgeinfer.backends.llamacpp:LlamaCppBackend",
+    "reference": "edgeinfer.backends.reference:ReferenceBackend",
 }
 
 

@@ -14,6 +14,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from edgeinfer.models.info import ModelInfo
+
 
 @dataclass(frozen=True)
 class BackendOptions:
@@ -34,6 +36,11 @@ class Backend(Protocol):
     """The backend allocates KV in multiples of this many tokens."""
     kv_types: ClassVar[tuple[str, ...]]
     """KV cache element types it supports, e.g. ``("f16", "q8_0")``."""
+
+    @staticmethod
+    def weight_bytes(info: ModelInfo) -> int:
+        """RAM the weights will take once loaded (for the check before loading)."""
+        ...
 
     @property
     def capacity(self) -> int:

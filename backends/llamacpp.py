@@ -106,6 +106,10 @@ class LlamaCppBackend:
     kv_block: ClassVar[int] = 256  # llama.cpp pads n_ctx up to a multiple of 256
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0")
 
+    @staticmethod
+    def weight_bytes(info: ModelInfo) -> int:
+        return info.file_size  # mapped from the file as it is
+
     def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
         """``probe=False`` skips the native-build check; only the probe's own child uses it."""
         if probe:

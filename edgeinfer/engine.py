@@ -217,10 +217,14 @@ class Engine:
         self.model_path = resolve_model(model)
         self.info: ModelInfo = load_model_info(self.model_path)
         block = backend_cls.kv_block
-        wanted = min(self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.hparams.n_ctx_train)
+        wanted = min(
+            self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.hparams.n_ctx_train
+        )
         if wanted < MIN_KV_TOKENS:
             raise InvalidOptionError(f"a KV budget of {wanted} tokens is too small; give at least {MIN_KV_TOKENS}")
-        check_memory(estimate_memory(self.info, -(-wanted // block) * block, kv_type, batch_size), force=force)
+        kv_tokens = -(-wanted // block) * block
+        weights = backend_cls.weight_bytes(self.info)
+        check_memory(estimate_memory(self.info, kv_tokens, kv_type, batch_size, weights), force=force)
 
         # More threads than cores makes llama.cpp's spinning threads fight: up to 100x slower.
         self.threads = min(threads, usable_cores()) if threads else default_threads()

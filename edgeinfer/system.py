@@ -101,12 +101,16 @@ class MemoryEstimate:
         return self.weights + self.kv + self.overhead
 
 
-def estimate_memory(info: ModelInfo, kv_tokens: int, kv_type: str, batch_size: int) -> MemoryEstimate:
-    """Weights (the file, mapped), the KV cache and the compute buffers for one batch."""
+def estimate_memory(
+    info: ModelInfo, kv_tokens: int, kv_type: str, batch_size: int, weights: int | None = None
+) -> MemoryEstimate:
+    """Weights (default: the file, mapped), the KV cache and the compute buffers for one batch."""
     kv = int(kv_tokens * info.kv_bytes_per_token(kv_type))
     # One batch of activations and the logits row buffer, in f32.
     compute = 4 * batch_size * (info.hparams.n_vocab + 8 * info.hparams.n_embd)
-    return MemoryEstimate(weights=info.file_size, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute)
+    return MemoryEstimate(
+        weights=info.file_size if weights is None else weights, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute
+    )
 
 
 def check_memory(estimate: MemoryEstimate, *, force: bool) -> None:

@@ -1,0 +1,169 @@
+"""The reference transformer: a plain numpy forward pass that every backend is checked against.
+
+It computes in float32 over dequantized weights, in the tensor layout GGUF stores, for
+every architecture in ``models/arch.py``. Readable top to bottom, one block at a time:
+
+    model = Transformer(hparams, gguf_weights(info))
+    x = model.embed(tokens)
+    for layer in range(hparams.n_layer):
+        x = model.block(layer, x, positions)          # full causal attention over x
+    logits = model.head(x)
+
+``block`` also takes a layer's slice of a KV cache, to decode token by token, and an
+``observe(name, inputs)`` callback that sees the input activations of every matrix
+multiplication, by weight name (what calibration needs). Weights are asked for by name
+when used, so a caller that loads them one layer at a time holds one layer in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import MODEL_TENSOR
+from gguf.quants import dequantize
+
+from edgeinfer.models.arch import HParams, RopeStyle, tensor_name
+from edgeinfer.models.info import ModelInfo
+
+Weights = Callable[[str], np.ndarray]
+"""Returns a tensor by GGUF name as float32, in numpy order: a projection is ``(n_out, n_in)``."""
+Observer = Callable[[str, np.ndarray], None]
+"""Called with a weight's name and the ``(n_tokens, n_in)`` activations it is about to multiply."""
+
+
+def gguf_weights(info: ModelInfo) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file, dequantized to float32 by gguf-py."""
+    weights = {}
+    data = np.memmap(info.path, dtype=np.uint8, mode="r")
+    for t in info.tensors:
+        n_rows = int(np.prod(t.shape[1:], dtype=np.int64))
+        raw = data[t.offset : t.offset + t.nbytes].reshape(n_rows, t.nbytes // n_rows)
+        weights[t.name] = dequantize(raw, t.type).reshape(tuple(reversed(t.shape))).astype(np.float32, copy=False)
+    return weights
+
+
+@dataclass
+class LayerCache:
+    """One layer's cached keys (already rotated) and values, by position: ``(capacity, n_kv_head, head_dim)``."""
+
+    k: np.ndarray
+    v: np.ndarray
+    length: int = 0
+
+
+class Transformer:
+    """A decoder-only transformer (llama, mistral, qwen2) over named weights."""
+
+    def __init__(self, hparams: HParams, weights: Weights | dict[str, np.ndarray]) -> None:
+        self.hp = hparams
+        self.weights: Weights = weights.__getitem__ if isinstance(weights, dict) else weights
+        half = hparams.head_dim // 2
+        self.inv_freq = hparams.rope_base ** (-np.arange(half, dtype=np.float64) / half)
+
+    def forward(
+        self, tokens: Sequence[int], positions: np.ndarray, caches: Sequence[LayerCache] | None = None
+    ) -> np.ndarray:
+        """Logits ``(len(tokens), n_vocab)`` for tokens at ``positions``, appending to ``caches`` if given."""
+        x = self.embed(tokens)
+        for layer in range(self.hp.n_layer):
+            x = self.block(layer, x, positions, caches[layer] if caches is not None else None)
+        return self.head(x)
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        return self.weights(tensor_name(MODEL_TENSOR.TOKEN_EMBD))[np.asarray(tokens)]
+
+    def block(
+        self,
+        layer: int,
+        x: np.ndarray,
+        positions: np.ndarray,
+        cache: LayerCache | None = None,
+        observe: Observer | None = None,
+    ) -> np.ndarray:
+        """One transformer block. Without a cache, ``x`` attends causally to itself alone."""
+        hp, w = self.hp, self.weights
+
+        def project(kind: MODEL_TENSOR, h: np.ndarray) -> np.ndarray:
+            name = tensor_name(kind, layer)
+            if observe is not None:
+                observe(name, h)
+            out = h @ w(name).T
+            if hp.arch.qkv_bias and kind in (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V):
+                out += w(tensor_name(kind, layer, "bias"))
+            return out
+
+        n = len(x)
+        h = rms_norm(x, w(tensor_name(MODEL_TENSOR.ATTN_NORM, layer)), hp.rms_eps)
+        q = project(MODEL_TENSOR.ATTN_Q, h).reshape(n, hp.n_head, hp.head_dim)
+        k = project(MODEL_TENSOR.ATTN_K, h).reshape(n, hp.n_head_kv, hp.head_dim)
+        v = project(MODEL_TENSOR.ATTN_V, h).reshape(n, hp.n_head_kv, hp.head_dim)
+        q = self.rope(q, positions)
+        k = self.rope(k, positions)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            cache.k[past : past + n] = k
+            cache.v[past : past + n] = v
+            cache.length = past + n
+            k, v = cache.k[: past + n].astype(np.float32), cache.v[: past + n].astype(np.float32)
+        x = x + project(MODEL_TENSOR.ATTN_OUT, attention(q, k, v, past).reshape(n, hp.q_dim))
+
+        h = rms_norm(x, w(tensor_name(MODEL_TENSOR.FFN_NORM, layer)), hp.rms_eps)
+        gate, up = project(MODEL_TENSOR.FFN_GATE, h), project(MODEL_TENSOR.FFN_UP, h)
+        return x + project(MODEL_TENSOR.FFN_DOWN, silu(gate) * up)
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        h = rms_norm(x, self.weights(tensor_name(MODEL_TENSOR.OUTPUT_NORM)), self.hp.rms_eps)
+        out = MODEL_TENSOR.TOKEN_EMBD if self.hp.tied_embeddings else MODEL_TENSOR.OUTPUT
+        return h @ self.weights(tensor_name(out)).T
+
+    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate ``(n, heads, head_dim)`` vectors by their positions (negative ones rotate back)."""
+        return rotate(x, np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq, self.hp.arch.rope_style)
+
+
+def rotate(x: np.ndarray, angles: np.ndarray, style: RopeStyle) -> np.ndarray:
+    """RoPE: rotate pairs of ``x`` (n, heads, d) by ``angles`` (n, d/2)."""
+    cos = np.cos(angles)[:, None, :].astype(np.float32)
+    sin = np.sin(angles)[:, None, :].astype(np.float32)
+    half = x.shape[-1] // 2
+    if style == "norm":  # pairs (x0, x1), (x2, x3), ...
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:  # neox: pairs (x_i, x_{i + d/2})
+        a, b = x[..., :half], x[..., half:]
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    out = np.empty_like(x)
+    if style == "norm":
+        out[..., 0::2], out[..., 1::2] = ra, rb
+    else:
+        out[..., :half], out[..., half:] = ra, rb
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int) -> np.ndarray:
+    """Causal grouped-query attention of ``n`` new queries over ``past + n`` keys; ``(n, heads, d)`` out."""
+    n, n_head, d = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)  # (kv head, group, n, d)
+    scores = qg @ k.transpose(1, 2, 0)[:, None] / np.sqrt(d)  # (kv head, group, n, past + n)
+    query_pos = past + np.arange(n)[:, None]
+    scores = np.where(np.arange(k.shape[0])[None, :] <= query_pos, scores, -np.inf)
+    probs = softmax(scores)
+    out = probs @ v.transpose(1, 0, 2)[:, None]  # (kv head, group, n, d)
+    return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))  # x * sigmoid(x), without exp's overflow
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
