@@ -1,4 +1,4 @@
-"""The ``edgeinfer`` command: run, info, list, pull.
+"""The ``edgeinfer`` command: run, info, list, pull, eval.
 
 Output is for people by default and JSON with ``--json``. Every user error is
 one line on stderr (``error: ...``) and a non-zero exit, never a traceback.
@@ -324,3 +324,47 @@ def pull(model: str) -> None:
     path = pull_model(model)
     load_model_info(path)  # a download that is not a usable GGUF is reported now, not at first use
     click.echo(str(path))
+
+
+@cli.command(name="eval")
+@click.argument("model")
+@click.option(
+    "--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False), help="UTF-8 text to score."
+)
+@click.option("--ctx", type=int, default=512, show_default=True, help="Chunk length; the second half is scored.")
+@click.option("--base", help="Compare with this model's distributions (KLD, top-1 agreement, Δ perplexity).")
+@click.option("--backend", default="auto", show_default=True, help="Backend for MODEL.")
+@click.option("--base-backend", help="Backend for --base (default: --backend).")
+@click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_user_errors
+def eval_(
+    model: str,
+    text_file: str,
+    ctx: int,
+    base: str | None,
+    backend: str,
+    base_backend: str | None,
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Perplexity of MODEL on a text (llama-perplexity's convention), and its divergence from --base."""
+    from edgeinfer.engine import Engine
+    from edgeinfer.evaluate import evaluate
+
+    try:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        _fail(f"{text_file} is not UTF-8 text; convert it to UTF-8")
+    budget = f"{ctx}tok"
+    with Engine(model, backend=backend, kv_budget=budget, batch_size=ctx, threads=threads) as engine:
+        if base is None and base_backend is None:
+            report = evaluate(engine, text, ctx)
+        else:
+            base_engine = Engine(
+                base or model, backend=base_backend or backend, kv_budget=budget, batch_size=ctx, threads=threads
+            )
+            with base_engine:
+                report = evaluate(engine, text, ctx, base=base_engine)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())

@@ -308,6 +308,23 @@ class Engine:
         # A template that writes BOS itself must not get a second one.
         return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
 
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """The ``(len(tokens), n_vocab)`` logits of every position, from an empty cache (for scoring).
+
+        The cache is left empty afterwards, so the next generation starts cold.
+        """
+        if not 0 < len(tokens) <= self.capacity:
+            raise InvalidOptionError(
+                f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
+            )
+        with self._hold():
+            self.backend.truncate(0)
+            self._cached.clear()
+            try:
+                return np.array(self.backend.eval(tokens, 0, all_logits=True), dtype=np.float32)
+            finally:
+                self.backend.truncate(0)
+
     def reset(self) -> None:
         """Forget the cached conversation."""
         with self._hold():

@@ -173,7 +173,7 @@ def layer_tensors(hp: HParams, layer: int) -> Iterator[tuple[str, tuple[int, ...
 
 def expected_tensors(hp: HParams) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by name, with its ggml shape."""
-    tensors = {tensor_name(MODEL_TENSOR.TOKEN_EMBD): (hp.n_embd, hp.n_vocab)}
+    tensors: dict[str, tuple[int, ...]] = {tensor_name(MODEL_TENSOR.TOKEN_EMBD): (hp.n_embd, hp.n_vocab)}
     for layer in range(hp.n_layer):
         tensors.update(layer_tensors(hp, layer))
     tensors[tensor_name(MODEL_TENSOR.OUTPUT_NORM)] = (hp.n_embd,)

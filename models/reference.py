@@ -17,6 +17,7 @@ when used, so a caller that loads them one layer at a time holds one layer in me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -148,7 +149,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int) -> np.ndar
     n_kv = k.shape[1]
     group = n_head // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)  # (kv head, group, n, d)
-    scores = qg @ k.transpose(1, 2, 0)[:, None] / np.sqrt(d)  # (kv head, group, n, past + n)
+    scores = qg @ k.transpose(1, 2, 0)[:, None] / math.sqrt(d)  # (kv head, group, n, past + n)
     query_pos = past + np.arange(n)[:, None]
     scores = np.where(np.arange(k.shape[0])[None, :] <= query_pos, scores, -np.inf)
     probs = softmax(scores)

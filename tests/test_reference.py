@@ -1,0 +1,113 @@
+"""The numpy reference backend: the same answers as llama.cpp, and the same KV operations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeinfer import Engine
+from edgeinfer.models.arch import layer_tensors
+from edgeinfer.models.reference import Transformer
+
+from support import FRANCE
+
+TEXT = (Path(__file__).parent / "data" / "lighthouse.txt").read_text()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kld(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    p, q = log_softmax(p_logits), log_softmax(q_logits)
+    return float((np.exp(p) * (p - q)).sum(axis=-1).mean())
+
+
+def top1(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a.argmax(axis=-1) == b.argmax(axis=-1)).mean())
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    with Engine(model_path, backend="reference", kv_budget="256tok") as e:
+        yield e
+
+
+def test_agrees_with_llamacpp_as_closely_as_llamacpp_agrees_with_itself(engine, reference):
+    tokens = engine.tokenize(TEXT)[:128]
+    batched = engine.logits(tokens)
+    # llama.cpp rounds activations to 8 bits for Q4_1 weights, differently in batched and
+    # one-token evaluation: its two paths set the scale of disagreement for this file.
+    engine.reset()
+    one_by_one = np.stack([engine.backend.eval([t], i).copy() for i, t in enumerate(tokens)])
+    engine.reset()
+    ours = reference.logits(tokens)
+    assert np.isfinite(ours).all()
+    llamacpp_self = kld(batched, one_by_one)
+    assert kld(batched, ours) < max(2 * llamacpp_self, 0.002)
+    assert kld(one_by_one, ours) < max(2 * llamacpp_self, 0.002)
+    assert top1(batched, ours) >= 0.93
+
+
+def test_generates_the_same_greedy_answer(reference):
+    assert "Paris" in reference.chat(FRANCE, temperature=0, max_tokens=12).text
+
+
+def test_one_token_at_a_time_equals_one_batch(reference):
+    backend = reference.backend
+    tokens = reference.tokenize(TEXT)[:40]
+    reference.reset()
+    batch = backend.eval(tokens, 0, all_logits=True)
+    backend.truncate(0)
+    stepped = np.stack([backend.eval([t], i) for i, t in enumerate(tokens)])
+    backend.truncate(0)
+    assert stepped.dtype == np.float32
+    assert kld(batch, stepped) < 1e-6 and top1(batch, stepped) == 1.0
+
+
+def test_truncate_forgets_what_a_fresh_evaluation_never_saw(reference):
+    backend = reference.backend
+    tokens = reference.tokenize(TEXT)[:50]
+    reference.reset()
+    backend.eval(tokens[:50], 0)
+    backend.truncate(30)
+    after_truncate = backend.eval(tokens[30:40], 30, all_logits=True)
+    backend.truncate(0)
+    fresh = backend.eval(tokens[:40], 0, all_logits=True)[30:]
+    backend.truncate(0)
+    assert kld(fresh, after_truncate) < 1e-6 and top1(fresh, after_truncate) == 1.0
+
+
+def test_evict_shifts_the_cache_as_llamacpp_does(engine, reference):
+    tokens = engine.tokenize(TEXT)[:80]
+    outputs = []
+    for e in (engine, reference):
+        e.reset()
+        e.backend.eval(tokens[:60], 0)
+        e.backend.evict(4, 24)  # drop positions 4..23; 24..59 move down to 4..39, keys re-rotated
+        outputs.append(np.array(e.backend.eval(tokens[60:80], 40, all_logits=True)))
+        e.reset()
+    # Keys left at their old rotation give KLD 1.6 and top-1 35%; llama.cpp and the reference
+    # agree to 0.005 and 85% (its 8-bit activations add noise, see the first test).
+    assert kld(*outputs) < 0.02 and top1(*outputs) >= 0.7
+
+
+def test_layer_by_layer_with_observed_inputs_equals_the_forward_pass(reference):
+    model: Transformer = reference.backend.model
+    hp = model.hp
+    tokens = reference.tokenize(TEXT)[:24]
+    positions = np.arange(len(tokens))
+    seen: dict[str, tuple[int, ...]] = {}
+    x = model.embed(tokens)
+    for layer in range(hp.n_layer):
+        x = model.block(layer, x, positions, observe=lambda name, inputs: seen.__setitem__(name, inputs.shape))
+    logits = model.head(x)
+    assert np.allclose(logits, model.forward(tokens, positions), atol=1e-3)
+    matrices = {
+        name: shape for layer in range(hp.n_layer) for name, shape in layer_tensors(hp, layer) if len(shape) == 2
+    }
+    assert seen == {name: (len(tokens), shape[0]) for name, shape in matrices.items()}
