@@ -17,7 +17,7 @@ import click
 
 from edgeinfer.console import EXIT_INTERRUPTED
 from edgeinfer.errors import ContextFull, EdgeInferError
-from edgeinfer.kv import DEFAULT_KV_BUDGET, POLICIES
+from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, POLICIES
 from edgeinfer.models.catalog import DEFAULT_MODEL
 from edgeinfer.models.info import KV_TYPE_BYTES
 from edgeinfer.sampling import SamplingParams
@@ -331,7 +331,13 @@ def pull(model: str) -> None:
 @click.option(
     "--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False), help="UTF-8 text to score."
 )
-@click.option("--ctx", type=int, default=512, show_default=True, help="Chunk length; the second half is scored.")
+@click.option(
+    "--ctx",
+    type=click.IntRange(MIN_KV_TOKENS),
+    default=512,
+    show_default=True,
+    help="Chunk length; its second half is scored.",
+)
 @click.option("--base", help="Compare with this model's distributions (KLD, top-1 agreement, Δ perplexity).")
 @click.option("--backend", default="auto", show_default=True, help="Backend for MODEL.")
 @click.option("--base-backend", help="Backend for --base (default: --backend).")

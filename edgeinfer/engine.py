@@ -24,7 +24,7 @@ from edgeinfer.backends import backend_class
 from edgeinfer.backends.base import Backend, BackendOptions
 from edgeinfer.chat import ChatTemplate, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
-from edgeinfer.kv import DEFAULT_KV_BUDGET, KVBudget, KVPolicy
+from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.metrics import Metrics
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.models.info import ModelInfo, load_model_info
@@ -33,8 +33,6 @@ from edgeinfer.system import check_memory, default_threads, estimate_memory, usa
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
-# Below this a cache cannot hold a sink, a window and a new token at once.
-MIN_KV_TOKENS = 16
 FinishReason = Literal["stop", "length", "cancelled"]
 Prompt = str | Sequence[Message]
 

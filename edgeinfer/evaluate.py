@@ -22,8 +22,7 @@ import numpy as np
 
 from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidOptionError
-
-MIN_CTX = 16  # the smallest KV cache an engine makes
+from edgeinfer.kv import MIN_KV_TOKENS
 
 
 @dataclass(frozen=True)
@@ -140,8 +139,10 @@ def evaluate(engine: Engine, text: str, ctx: int = 512, base: Engine | None = No
 
 
 def _chunkable_tokens(engine: Engine, text: str, ctx: int) -> list[int]:
-    if ctx < MIN_CTX or ctx > engine.capacity:
-        raise InvalidOptionError(f"ctx must be {MIN_CTX} to {engine.capacity} tokens (the KV capacity), got {ctx}")
+    if ctx < MIN_KV_TOKENS or ctx > engine.capacity:
+        raise InvalidOptionError(
+            f"ctx must be {MIN_KV_TOKENS} to {engine.capacity} tokens (the KV capacity), got {ctx}"
+        )
     tokens = engine.tokenizer.encode(text, parse_special=False)
     if len(tokens) < ctx:
         raise InvalidOptionError(

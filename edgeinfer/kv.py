@@ -13,6 +13,8 @@ from typing import Literal
 from edgeinfer.errors import ContextFull, InvalidOptionError
 
 DEFAULT_KV_BUDGET = "4096tok"
+# Below this a cache cannot hold a sink, a window and a new token at once.
+MIN_KV_TOKENS = 16
 PolicyName = Literal["sinks", "shift", "error"]
 POLICIES: tuple[PolicyName, ...] = ("sinks", "shift", "error")
 
