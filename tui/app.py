@@ -198,9 +198,9 @@ class ChatApp(App[None]):
         self.messages.append({"role": "user", "content": text})
         try:
             stream = self._chat.stream(self._with_system(self.messages), self.settings.sampling())
-        except EdgeInferError as exc:
+        except Exception as exc:
             self.messages.pop()
-            self._error(str(exc))
+            self._error(str(exc) if isinstance(exc, EdgeInferError) else _internal_error(exc))
             return
         self._stream = stream
         answer = Markdown(classes="assistant")
@@ -476,6 +476,8 @@ class ChatApp(App[None]):
     # -- helpers -------------------------------------------------------------------------------
 
     def _spawn(self, name: str, target: Callable[..., None], *args: object) -> None:
+        if self._closing:  # quitting already: on_unmount has joined the threads it will wait for
+            return
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(target=target, args=args, name=f"{THREAD_PREFIX}-{name}", daemon=True)
         self._threads.append(thread)
