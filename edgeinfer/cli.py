@@ -1,4 +1,4 @@
-"""The ``edgeinfer`` command: run, info, list, pull, eval.
+"""The ``edgeinfer`` command: run, chat, info, list, pull, eval.
 
 Output is for people by default and JSON with ``--json``. Every user error is
 one line on stderr (``error: ...``) and a non-zero exit, never a traceback.
@@ -209,6 +209,51 @@ def run(
             click.echo(f"{'route':>9}: {result.route}", err=True)
             click.echo(f"{'finish':>9}: {result.finish_reason}", err=True)
             click.echo(result.metrics.format(), err=True)
+
+
+@cli.command()
+@click.option(
+    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
+)
+@click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
+@click.option("--system", "system_prompt", default="", help="System prompt.")
+@click.option("--route", default="local", show_default=True, help="Where answers come from (only local for now).")
+@click.option("--temperature", type=float, default=_SAMPLING.temperature, show_default=True, help="0 is greedy.")
+@click.option("--max-tokens", type=int, default=_SAMPLING.max_tokens, show_default=True)
+@click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True, help="KV cache cap: '64MB' or '512tok'.")
+@click.option("--kv-policy", type=click.Choice(POLICIES), default="sinks", show_default=True)
+@click.option("--threads", type=int, help="CPU threads for the model (default: the free cores but one, for the UI).")
+@_user_errors
+def chat(
+    model: str,
+    backend: str,
+    system_prompt: str,
+    route: str,
+    temperature: float,
+    max_tokens: int,
+    kv_budget: str,
+    kv_policy: str,
+    threads: int | None,
+) -> None:
+    """Chat with a model in the terminal (/help inside lists the commands)."""
+    from edgeinfer.tui.app import ChatApp
+    from edgeinfer.tui.settings import ChatSettings
+
+    settings = ChatSettings(
+        model=model,
+        backend=backend,
+        system=system_prompt,
+        route=route,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        kv_budget=kv_budget,
+        kv_policy=kv_policy,
+        threads=threads,
+    )
+    settings.check()  # a bad option is one line now; a model that fails to load is shown in the chat
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        _fail("edgeinfer chat needs a terminal; in scripts and pipes use `edgeinfer run`")
+    ChatApp(settings).run()
 
 
 @cli.command()

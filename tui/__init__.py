@@ -1,1 +1,1 @@
-"""tui."""
+"""The terminal chat (``edgeinfer chat``): a Textual app over the public edgeinfer API."""
