@@ -26,12 +26,17 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_NAME_BYTES = 63  # ggml's GGML_MAX_NAME, less the terminating NUL
-# Far above any real model (tens of keys, a few thousand tensors), far below what would
-# make the reader itself a memory hazard.
-MAX_KEYS = 4096
+# Limits far above any real model (tens of keys, a thousand tensors, vocabularies and merges
+# of up to 262k entries) and low enough that no file makes the reader take seconds or build
+# millions of Python objects.
+MAX_KEYS = 1024
 MAX_TENSORS = 1 << 16
-# Arrays longer than this (vocabularies, merges) are walked over, not decoded.
+MAX_STRINGS = 1 << 20  # in all metadata arrays together
+MAX_VOCABULARY = 1 << 19
+# Arrays longer than this (vocabularies, merges, scores) are not decoded into Python values;
+# numeric ones up to MAX_KEPT_ELEMENTS are kept as numpy arrays.
 MAX_DECODED_ARRAY = 256
+MAX_KEPT_ELEMENTS = 1 << 21
 # Kept as raw bytes whatever its length: llama.cpp hashes every token and aborts on a
 # duplicate, so the vocabulary checks need them all.
 VOCABULARY_KEY = "tokenizer.ggml.tokens"
@@ -56,8 +61,9 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
 class LongArray:
     """A metadata array too long to decode into Python values (vocabularies, merges, scores).
 
-    Numbers come as a numpy array in ``values``. Strings are walked over, except the vocabulary
-    (``tokenizer.ggml.tokens``, always a LongArray), whose tokens ``strings`` holds as raw bytes.
+    Numbers come as a numpy array in ``values`` (None past MAX_KEPT_ELEMENTS). Strings are
+    walked over, except the vocabulary (``tokenizer.ggml.tokens``, always a LongArray), whose
+    tokens ``strings`` holds as raw bytes.
     """
 
     element_type: GGUFValueType
@@ -110,6 +116,7 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.strings_left = MAX_STRINGS
 
     def fail(self, what: str) -> InvalidModelError:
         return InvalidModelError(f"{self.path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
@@ -184,17 +191,35 @@ class _Cursor:
         min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
         if count * min_size > len(self.buf) - self.pos:
             raise self.truncated(f"array '{key}' claims {count} elements, more than the file holds")
-        if etype == GGUFValueType.STRING and key == VOCABULARY_KEY:
-            return LongArray(etype, count, strings=tuple(self.strings(count, key, keep=True))), kind
-        if count > MAX_DECODED_ARRAY:
-            if etype == GGUFValueType.STRING:
-                self.strings(count, key, keep=False)
-                return LongArray(etype, count), kind
-            values = np.frombuffer(self.take(count * min_size, f"array '{key}'"), _SCALAR_FORMATS[etype])
-            return LongArray(etype, count, values=values), kind
         if etype == GGUFValueType.STRING:
-            return [self.string(f"element of '{key}'") for _ in range(count)], kind
-        return [self.scalar(_SCALAR_FORMATS[etype], f"element of '{key}'") for _ in range(count)], kind
+            return self.string_array(key, count), kind
+        fmt = _SCALAR_FORMATS[etype]
+        if count > MAX_KEPT_ELEMENTS:
+            self.skip(count * min_size, f"array '{key}'")
+            return LongArray(etype, count), kind
+        values = np.frombuffer(self.take(count * min_size, f"array '{key}'"), fmt)
+        return (values.tolist() if count <= MAX_DECODED_ARRAY else LongArray(etype, count, values=values)), kind
+
+    def string_array(self, key: str, count: int) -> Any:
+        # Every string costs a step of a Python loop, so a file full of empty strings could
+        # keep the reader busy for seconds: all arrays together get a budget.
+        if count > self.strings_left:
+            raise self.fail(f"array '{key}' has {count} strings; all arrays together may hold {MAX_STRINGS}")
+        self.strings_left -= count
+        if key == VOCABULARY_KEY:
+            if count > MAX_VOCABULARY:
+                raise self.fail(f"'{key}' has {count} tokens, more than {MAX_VOCABULARY}")
+            return LongArray(GGUFValueType.STRING, count, strings=tuple(self.strings(count, key, keep=True)))
+        if count > MAX_DECODED_ARRAY:
+            self.strings(count, key, keep=False)
+            return LongArray(GGUFValueType.STRING, count)
+        decoded = []
+        for i, raw in enumerate(self.strings(count, key, keep=True)):
+            try:
+                decoded.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise self.fail(f"element {i} of '{key}' {raw[:64]!r} is not UTF-8") from None
+        return decoded
 
 
 def read_header(path: str | Path) -> GGUFHeader:
