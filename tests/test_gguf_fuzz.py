@@ -245,7 +245,7 @@ def array(values: list, element_type: GGUFValueType) -> GGUFValue:
 
 
 # Metadata that is well-formed GGUF but wrong for llama.cpp. Those marked "crash" were seen to
-# abort llama.cpp (b6xxx, as llama-cpp-python 0.3.36 ships it) when validation let them through.
+# abort llama.cpp (the build llama-cpp-python 0.3.36 ships) when validation let them through.
 METADATA: list[tuple[str, str, dict, str]] = [
     ("missing key", "gpt2", {"llama.block_count": None}, "lacks the metadata key 'llama.block_count'"),
     ("no architecture", "gpt2", {"general.architecture": None}, "lacks the metadata key 'general.architecture'"),
