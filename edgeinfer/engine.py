@@ -217,7 +217,9 @@ class Engine:
         self.model_path = resolve_model(model)
         self.info: ModelInfo = load_model_info(self.model_path)
         block = backend_cls.kv_block
-        wanted = min(self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.hparams.n_ctx_train)
+        wanted = min(
+            self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.hparams.n_ctx_train
+        )
         if wanted < MIN_KV_TOKENS:
             raise InvalidOptionError(f"a KV budget of {wanted} tokens is too small; give at least {MIN_KV_TOKENS}")
         check_memory(estimate_memory(self.info, -(-wanted // block) * block, kv_type, batch_size), force=force)
