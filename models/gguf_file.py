@@ -4,7 +4,8 @@ Weights are never read. gguf-py's GGUFReader builds a numpy array for every
 vocabulary string (6 s for a 49k vocab), and trusts lengths and counts it reads;
 this reader only walks past large arrays and checks every length against the
 bytes left before it is used, so malformed files fail here with one line instead
-of reaching native code.
+of reaching native code. Counts are capped too, so a small file cannot make it
+build millions of Python objects.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from edgeinfer.errors import InvalidModelError, ModelNotFoundError
@@ -23,8 +25,21 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
-# Arrays longer than this (vocabularies, merges) are walked over, not decoded.
+MAX_NAME_BYTES = 63  # ggml's GGML_MAX_NAME, less the terminating NUL
+# Limits far above any real model (tens of keys, a thousand tensors, vocabularies and merges
+# of up to 262k entries) and low enough that no file makes the reader take seconds or build
+# millions of Python objects.
+MAX_KEYS = 1024
+MAX_TENSORS = 1 << 16
+MAX_STRINGS = 1 << 20  # in all metadata arrays together
+MAX_VOCABULARY = 1 << 19
+# Arrays longer than this (vocabularies, merges, scores) are not decoded into Python values;
+# numeric ones up to MAX_KEPT_ELEMENTS are kept as numpy arrays.
 MAX_DECODED_ARRAY = 256
+MAX_KEPT_ELEMENTS = 1 << 21
+# Kept as raw bytes whatever its length: llama.cpp hashes every token and aborts on a
+# duplicate, so the vocabulary checks need them all.
+VOCABULARY_KEY = "tokenizer.ggml.tokens"
 
 _U64 = struct.Struct("<Q")
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -43,16 +58,29 @@ _SCALAR_FORMATS: dict[GGUFValueType, str] = {
 
 
 @dataclass(frozen=True)
-class SkippedArray:
-    """A metadata array too long to keep in memory (e.g. the vocabulary): its type and length."""
+class LongArray:
+    """A metadata array too long to decode into Python values (vocabularies, merges, scores).
+
+    Numbers come as a numpy array in ``values`` (None past MAX_KEPT_ELEMENTS). Strings are
+    walked over, except the vocabulary (``tokenizer.ggml.tokens``, always a LongArray), whose
+    tokens ``strings`` holds as raw bytes.
+    """
 
     element_type: GGUFValueType
     count: int
+    values: np.ndarray | None = None
+    strings: tuple[bytes, ...] | None = None
+
+
+def type_name(value_type: GGUFValueType, element_type: GGUFValueType | None = None) -> str:
+    """A metadata type as messages show it: ``uint32``, ``string``, ``array[int32]``..."""
+    name = value_type.name.lower()
+    return f"{name}[{element_type.name.lower()}]" if element_type is not None else name
 
 
 def array_length(value: Any) -> int:
     """Elements in a metadata array, whether kept or skipped; 0 for anything else."""
-    if isinstance(value, SkippedArray):
+    if isinstance(value, LongArray):
         return value.count
     return len(value) if isinstance(value, list) else 0
 
@@ -76,6 +104,7 @@ class GGUFHeader:
     version: int
     file_size: int
     metadata: dict[str, Any]
+    types: dict[str, str]  # key -> its value's type_name(), e.g. "uint32", "array[string]"
     tensors: tuple[TensorInfo, ...]
     data_offset: int
 
@@ -87,6 +116,7 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.strings_left = MAX_STRINGS
 
     def fail(self, what: str) -> InvalidModelError:
         return InvalidModelError(f"{self.path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
@@ -99,7 +129,7 @@ class _Cursor:
 
     def skip(self, n: int, what: str) -> None:
         if n < 0 or n > len(self.buf) - self.pos:
-            raise self.past_end(what)
+            raise self.past_end(f"{what} ({n} bytes)")
         self.pos += n
 
     def take(self, n: int, what: str) -> bytes:
@@ -115,31 +145,40 @@ class _Cursor:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise self.fail(f"{what} is not UTF-8") from None
+            raise self.fail(f"{what} {raw[:64]!r} is not UTF-8") from None
 
-    def skip_strings(self, count: int, key: str) -> None:
+    def strings(self, count: int, key: str, *, keep: bool) -> list[bytes]:
+        """Walk past ``count`` strings, checking each length; with ``keep``, return their raw bytes."""
         # The hot loop of a header read (two 49k-entry vocab arrays): kept free of calls.
         buf, pos, end = self.buf, self.pos, len(self.buf)
         unpack_length = _U64.unpack_from
+        kept: list[bytes] = []
+        add = kept.append
         for i in range(count):
             if pos + 8 > end or pos + 8 + unpack_length(buf, pos)[0] > end:
                 self.pos = pos
-                raise self.past_end(f"element {i} of '{key}'")
-            pos += 8 + unpack_length(buf, pos)[0]
+                length = f" ({unpack_length(buf, pos)[0]} bytes)" if pos + 8 <= end else ""
+                raise self.past_end(f"element {i} of '{key}'{length}")
+            following = pos + 8 + unpack_length(buf, pos)[0]
+            if keep:
+                add(buf[pos + 8 : following])
+            pos = following
         self.pos = pos
+        return kept
 
-    def value(self, vtype: int, key: str) -> Any:
+    def value(self, vtype: int, key: str) -> tuple[Any, str]:
+        """The value of metadata ``key`` and its type_name()."""
         try:
             vtype = GGUFValueType(vtype)
         except ValueError:
             raise self.fail(f"key '{key}' has unknown value type {vtype}") from None
         if vtype == GGUFValueType.STRING:
-            return self.string(f"value of '{key}'")
+            return self.string(f"value of '{key}'"), "string"
         if vtype == GGUFValueType.ARRAY:
             return self.array(key)
-        return self.scalar(_SCALAR_FORMATS[vtype], f"value of '{key}'")
+        return self.scalar(_SCALAR_FORMATS[vtype], f"value of '{key}'"), type_name(vtype)
 
-    def array(self, key: str) -> Any:
+    def array(self, key: str) -> tuple[Any, str]:
         etype_raw = self.scalar("<I", f"array type of '{key}'")
         count = self.scalar("<Q", f"array length of '{key}'")
         try:
@@ -148,16 +187,39 @@ class _Cursor:
             raise self.fail(f"array '{key}' has unknown element type {etype_raw}") from None
         if etype == GGUFValueType.ARRAY:
             raise self.fail(f"array '{key}' nests arrays, which GGUF does not allow")
+        kind = type_name(GGUFValueType.ARRAY, etype)
         min_size = 8 if etype == GGUFValueType.STRING else struct.calcsize(_SCALAR_FORMATS[etype])
         if count * min_size > len(self.buf) - self.pos:
             raise self.truncated(f"array '{key}' claims {count} elements, more than the file holds")
+        if etype == GGUFValueType.STRING:
+            return self.string_array(key, count), kind
+        fmt = _SCALAR_FORMATS[etype]
+        if count > MAX_KEPT_ELEMENTS:
+            self.skip(count * min_size, f"array '{key}'")
+            return LongArray(etype, count), kind
+        values = np.frombuffer(self.take(count * min_size, f"array '{key}'"), fmt)
+        return (values.tolist() if count <= MAX_DECODED_ARRAY else LongArray(etype, count, values=values)), kind
+
+    def string_array(self, key: str, count: int) -> Any:
+        # Every string costs a step of a Python loop, so a file full of empty strings could
+        # keep the reader busy for seconds: all arrays together get a budget.
+        if count > self.strings_left:
+            raise self.fail(f"array '{key}' has {count} strings; all arrays together may hold {MAX_STRINGS}")
+        self.strings_left -= count
+        if key == VOCABULARY_KEY:
+            if count > MAX_VOCABULARY:
+                raise self.fail(f"'{key}' has {count} tokens, more than {MAX_VOCABULARY}")
+            return LongArray(GGUFValueType.STRING, count, strings=tuple(self.strings(count, key, keep=True)))
         if count > MAX_DECODED_ARRAY:
-            if etype == GGUFValueType.STRING:
-                self.skip_strings(count, key)
-            else:
-                self.skip(count * min_size, f"array '{key}'")
-            return SkippedArray(etype, count)
-        return [self.value(etype, key) for _ in range(count)]
+            self.strings(count, key, keep=False)
+            return LongArray(GGUFValueType.STRING, count)
+        decoded = []
+        for i, raw in enumerate(self.strings(count, key, keep=True)):
+            try:
+                decoded.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise self.fail(f"element {i} of '{key}' {raw[:64]!r} is not UTF-8") from None
+        return decoded
 
 
 def read_header(path: str | Path) -> GGUFHeader:
@@ -187,25 +249,36 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
         raise cur.fail(f"version {version} is not supported (only {', '.join(map(str, SUPPORTED_VERSIONS))})")
     n_tensors = cur.scalar("<Q", "tensor count")
     n_kv = cur.scalar("<Q", "metadata count")
+    if n_kv > MAX_KEYS:
+        raise cur.fail(f"metadata count {n_kv} is more than {MAX_KEYS}")
+    if n_tensors > MAX_TENSORS:
+        raise cur.fail(f"tensor count {n_tensors} is more than {MAX_TENSORS}")
     # Each key/value needs at least 8 (key length) + 4 (type) + 1 bytes; each tensor 8 + 4 + 4 + 8.
     if n_kv * 13 > file_size or n_tensors * 24 > file_size:
         raise cur.truncated(f"counts of {n_kv} keys and {n_tensors} tensors do not fit in {file_size} bytes")
 
     metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string("metadata key")
+    types: dict[str, str] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key {i}")
+        if not key or "\0" in key:  # llama.cpp looks keys up as C strings: "a\0b" would be found as "a"
+            raise cur.fail(f"metadata key {i} ({key!r}) is empty or has a NUL byte")
         if key in metadata:
             raise cur.fail(f"metadata key '{key}' appears twice")
-        metadata[key] = cur.value(cur.scalar("<I", f"type of '{key}'"), key)
+        metadata[key], types[key] = cur.value(cur.scalar("<I", f"type of '{key}'"), key)
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise cur.fail(f"general.alignment is {alignment!r}, not a power of two")
+    if "general.alignment" in types and types["general.alignment"] != "uint32":
+        raise cur.fail(f"general.alignment is {types['general.alignment']}, not uint32")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment is {alignment}, not a power of two")
 
     raw_tensors = []
     names: set[str] = set()
-    for _ in range(n_tensors):
-        name = cur.string("tensor name")
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name {i}")
+        if len(name.encode()) > MAX_NAME_BYTES or "\0" in name:
+            raise cur.fail(f"tensor name {name[:80]!r} is longer than {MAX_NAME_BYTES} bytes or has a NUL byte")
         if name in names:
             raise cur.fail(f"tensor '{name}' appears twice")
         names.add(name)
@@ -228,7 +301,7 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFHeader:
         tensor = _check_tensor(cur, data_offset, file_size, name, shape, type_raw, offset)
         expected_offset += -(-tensor.nbytes // alignment) * alignment
         tensors.append(tensor)
-    return GGUFHeader(cur.path, version, file_size, metadata, tuple(tensors), data_offset)
+    return GGUFHeader(cur.path, version, file_size, metadata, types, tuple(tensors), data_offset)
 
 
 def _check_tensor(
@@ -240,7 +313,7 @@ def _check_tensor(
     type_raw: int,
     offset: int,
 ) -> TensorInfo:
-    if any(d <= 0 for d in shape):
+    if any(d <= 0 or d >= 2**63 for d in shape):  # llama.cpp reads dimensions as signed
         raise cur.fail(f"tensor '{name}' has shape {list(shape)} with a dimension that is not positive")
     n_elements = 1
     for d in shape:

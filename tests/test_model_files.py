@@ -71,9 +71,10 @@ def kv_string(key: str, value: str) -> bytes:
     ("data", "field"),
     [
         (b"GGUF" + struct.pack("<I", 99) + bytes(16), "version 99"),
-        (header(2**60, 0), "do not fit"),
-        (header(0, 2**40), "do not fit"),
-        (header(0, 1, struct.pack("<Q", 2**50) + b"key"), "metadata key runs past the end"),
+        (header(2**60, 0), f"tensor count {2**60} is more than"),
+        (header(0, 2**40), f"metadata count {2**40} is more than"),
+        (header(1000, 0), "counts of 0 keys and 1000 tensors do not fit"),
+        (header(0, 1, struct.pack("<Q", 2**50) + b"key"), f"metadata key 0 ({2**50} bytes) runs past the end"),
         (header(0, 1, struct.pack("<Q", 3) + b"abc" + struct.pack("<IIQ", 9, 8, 2**55)), "claims"),
         (header(0, 2, kv_string("a", "x") + kv_string("a", "y")), "appears twice"),
         (header(0, 1, struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77)), "unknown value type 77"),

@@ -1,0 +1,177 @@
+"""Tiny, valid GGUF models for tests: every supported architecture, real tokenizers, random weights.
+
+``write_tiny_gguf`` writes a file that passes ``load_model_info``, loads in llama.cpp and
+generates. Tensor names and shapes come from ``edgeinfer.models.arch.expected_tensors``, so
+the file is exactly what the architecture tables describe. Weights are seeded normal(0, 0.02)
+and RMS norm weights 1 + normal(0, 0.1), so logits are finite and differ from token to token;
+norm weights and qwen2's Q/K/V biases are random too, so a reference implementation that
+drops either disagrees with llama.cpp.
+
+Two tokenizers, as llama.cpp knows them:
+
+- ``"gpt2"``: byte-level BPE. The 256 byte symbols, a few merges (``" the"``, ``"in"``...)
+  and the ChatML control tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
+- ``"llama"``: SentencePiece. ``<unk>``, ``<s>``, ``</s>``, the 256 byte-fallback tokens
+  ``<0x00>``...``<0xFF>`` and a few scored pieces (``"▁the"``...).
+
+Both carry a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValue, GGUFWriter, Keys, TokenType
+from gguf.quants import quantize
+
+from edgeinfer.models.arch import ARCHITECTURES, HParams, expected_tensors
+
+TensorType = Literal["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+TokenizerModel = Literal["gpt2", "llama"]
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Merged pieces, each built from two symbols already in the vocabulary (Ġ is GPT-2's space).
+BPE_MERGES = [
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"),
+    ("r", "e"), ("a", "t"), ("e", "n"), ("o", "r"), ("Ġ", "w"), ("i", "s"), ("Ġ", "c"), ("e", "s"),
+]  # fmt: skip
+SPM_PIECES = ["▁", "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁s", "re", "at", "en", "or", "▁w", "is", "es"]
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def gpt2_byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value: the byte-level BPE base alphabet, by byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shifted)
+            shifted += 1
+    return [symbols[b] for b in range(256)]
+
+
+def _add_gpt2_vocab(writer: GGUFWriter) -> int:
+    tokens = gpt2_byte_symbols() + [a + b for a, b in BPE_MERGES]
+    types = [TokenType.NORMAL] * len(tokens)
+    first_special = len(tokens)
+    tokens += CHATML_SPECIALS
+    types += [TokenType.CONTROL] * len(CHATML_SPECIALS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([f"{a} {b}" for a, b in BPE_MERGES])
+    writer.add_bos_token_id(first_special)  # <|endoftext|>
+    writer.add_eos_token_id(first_special + 2)  # <|im_end|>
+    writer.add_add_bos_token(False)
+    return len(tokens)
+
+
+def _add_spm_vocab(writer: GGUFWriter) -> int:
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES, *CHATML_SPECIALS[1:]]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    types += [TokenType.NORMAL] * len(SPM_PIECES) + [TokenType.CONTROL] * 2
+    # SentencePiece prefers the highest-scoring piece: longer pieces score higher.
+    scores = [0.0] * 259 + [-10.0 + len(p) for p in SPM_PIECES] + [0.0, 0.0]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(len(tokens) - 1)  # <|im_end|>, so chats stop where ChatML says
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    return len(tokens)
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    *,
+    arch: Literal["llama", "mistral", "qwen2"] = "llama",
+    tensor_type: TensorType = "F32",
+    tokenizer: TokenizerModel = "gpt2",
+    seed: int = 0,
+    n_layer: int = 2,
+    n_embd: int = 128,
+    n_head: int = 2,
+    n_head_kv: int = 1,
+    n_ff: int = 256,
+    n_ctx: int = 512,
+    tied: bool = True,
+    metadata: Mapping[str, GGUFValue | None] | None = None,
+) -> Path:
+    """Write a small valid GGUF model to ``path`` and return the path.
+
+    ``tensor_type`` is the type of every matrix; vectors (norms, biases) are always F32,
+    as llama.cpp's converter writes them. Quantized types need ``n_embd`` and ``n_ff`` to be
+    multiples of 32. ``tied=False`` adds a separate ``output.weight``. ``metadata`` replaces,
+    adds (a ``GGUFValue``) or drops (``None``) keys last, for tests of malformed files; the
+    tensors still follow the arguments, and the length of a replaced token list.
+    """
+    path = Path(path)
+    spec = ARCHITECTURES[arch]
+    writer = GGUFWriter(path, spec.gguf_arch)
+    writer.add_name(f"tiny-{arch}")
+    n_vocab = (_add_gpt2_vocab if tokenizer == "gpt2" else _add_spm_vocab)(writer)
+    writer.add_chat_template(CHATML)
+    hp = HParams(
+        arch=spec,
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=n_embd // n_head,
+        n_ff=n_ff,
+        n_ctx_train=n_ctx,
+        rope_base=1_000_000.0 if arch == "qwen2" else 10_000.0,
+        rms_eps=1e-6 if arch == "qwen2" else 1e-5,
+        tied_embeddings=tied,
+    )
+    writer.add_context_length(hp.n_ctx_train)
+    writer.add_embedding_length(hp.n_embd)
+    writer.add_block_count(hp.n_layer)
+    writer.add_feed_forward_length(hp.n_ff)
+    writer.add_head_count(hp.n_head)
+    writer.add_head_count_kv(hp.n_head_kv)
+    writer.add_rope_dimension_count(hp.head_dim)
+    writer.add_rope_freq_base(hp.rope_base)
+    writer.add_layer_norm_rms_eps(hp.rms_eps)
+
+    for key, value in (metadata or {}).items():
+        if value is None:
+            del writer.kv_data[0][key]
+        else:
+            writer.kv_data[0][key] = value
+    if Keys.Tokenizer.LIST in writer.kv_data[0]:  # the embeddings follow a replaced vocabulary
+        hp = replace(hp, n_vocab=len(writer.kv_data[0][Keys.Tokenizer.LIST].value))
+
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[tensor_type]
+    for name, shape in expected_tensors(hp).items():
+        numpy_shape = tuple(reversed(shape))  # ggml lists the fastest dimension first
+        if len(shape) == 1 and name.endswith("norm.weight"):
+            writer.add_tensor(name, (1 + rng.standard_normal(numpy_shape) * 0.1).astype(np.float32))
+        elif len(shape) == 1:
+            writer.add_tensor(name, (rng.standard_normal(numpy_shape) * 0.02).astype(np.float32))
+        else:
+            weights = (rng.standard_normal(numpy_shape) * 0.02).astype(np.float32)
+            data = quantize(weights, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
