@@ -104,7 +104,7 @@ class LlamaCppBackend:
 
     name: ClassVar[str] = "llamacpp"
     kv_block: ClassVar[int] = 256  # llama.cpp pads n_ctx up to a multiple of 256
-    kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0")
+    kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0", "f32")
 
     @staticmethod
     def weight_bytes(info: ModelInfo) -> int:
@@ -126,11 +126,13 @@ class LlamaCppBackend:
             params.n_batch = params.n_ubatch = options.batch_size
             params.n_seq_max = 1
             params.n_threads = params.n_threads_batch = options.threads
-            ggml_type = {"f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0}[options.kv_type]
+            ggml_type = {"f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0, "f32": lib.GGML_TYPE_F32}[
+                options.kv_type
+            ]
             params.type_k = params.type_v = ggml_type
             # A quantized V cache only works with flash attention.
             params.flash_attn_type = (
-                lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.kv_type != "f16" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.kv_type == "q8_0" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
             params.no_perf = True
             _recent_log.clear()

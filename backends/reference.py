@@ -2,7 +2,7 @@
 
 It is the ground truth, not a fast path: float32 weights (about 4x the file size of a Q4
 model in RAM) and numpy's BLAS threads. Keys and values are cached in float16, as llama.cpp's
-default cache stores them.
+default cache stores them, or in float32.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
+from gguf import MODEL_TENSOR
 
-from edgeinfer.errors import BackendError
+from edgeinfer.errors import BackendError, InvalidOptionError
+from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import LayerCache, Transformer, gguf_weights
 
@@ -24,14 +26,20 @@ class ReferenceBackend:
 
     name: ClassVar[str] = "reference"
     kv_block: ClassVar[int] = 1
-    kv_types: ClassVar[tuple[str, ...]] = ("f16",)
+    kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
         hp = info.hparams
+        if hp.rope_scaling != "none" or any(t.name == tensor_name(MODEL_TENSOR.ROPE_FREQS) for t in info.tensors):
+            raise InvalidOptionError(
+                f"{info.path.name} scales RoPE for a longer context, which the reference backend does not do; "
+                "use --backend llamacpp"
+            )
         self.model = Transformer(hp, gguf_weights(info))
         self._capacity = options.kv_tokens
         shape = (options.kv_tokens, hp.n_head_kv, hp.head_dim)
-        self.caches = [LayerCache(np.zeros(shape, np.float16), np.zeros(shape, np.float16)) for _ in range(hp.n_layer)]
+        dtype = np.float16 if options.kv_type == "f16" else np.float32
+        self.caches = [LayerCache(np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(hp.n_layer)]
 
     @staticmethod
     def weight_bytes(info: ModelInfo) -> int:

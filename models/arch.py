@@ -94,6 +94,7 @@ class HParams:
     rope_base: float
     rms_eps: float
     tied_embeddings: bool  # no output.weight: the output projection reuses token_embd
+    rope_scaling: str = "none"  # or linear, yarn, longrope: context extension
 
     @property
     def q_dim(self) -> int:
@@ -176,6 +177,7 @@ def hparams_from_metadata(meta: Mapping[str, Any], tensor_names: set[str], file:
         rope_base=positive(Keys.Rope.FREQ_BASE, 10000.0, limit=1 << 40, kind=float),
         rms_eps=positive(Keys.Attention.LAYERNORM_RMS_EPS, limit=1, low=1e-12, kind=float),
         tied_embeddings=tensor_name(MODEL_TENSOR.OUTPUT) not in tensor_names,
+        rope_scaling=meta.get(scaling_key, "none"),
     )
 
 

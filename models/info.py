@@ -24,7 +24,8 @@ from edgeinfer.models.arch import (
 from edgeinfer.models.gguf_file import GGUFHeader, LongArray, TensorInfo, array_length, read_header
 
 # Bytes one cached K or V element takes, by KV cache type. q8_0 stores 32 values in 34 bytes.
-KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32}
+# f32 is for exact comparisons between backends, not for saving memory.
+KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "f32": 4.0}
 # llama.cpp's tokenizers for the architectures we run: SentencePiece and byte-level BPE.
 TOKENIZER_MODELS = ("llama", "gpt2")
 _BYTE_TOKEN = re.compile(rb"<0x[0-9A-Fa-f]{2}>")
