@@ -1,4 +1,4 @@
-"""The ``edgeinfer`` command: run, chat, info, list, pull, eval.
+"""The ``edgeinfer`` command: run, chat, info, list, pull, eval, bench.
 
 Output is for people by default and JSON with ``--json``. Every user error is
 one line on stderr (``error: ...``) and a non-zero exit, never a traceback.
@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -419,3 +420,51 @@ def eval_(
             with base_engine:
                 report = evaluate(engine, text, ctx, base=base_engine)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
+
+
+@cli.command(name="bench")
+@click.argument("models", nargs=-1, metavar="[MODEL]...")
+@click.option(
+    "--backend", "backends", multiple=True, help="Backend to run every MODEL on; repeat to compare.  [default: auto]"
+)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length.")
+@click.option("--gen-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per answer.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after a warm-up.")
+@click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, with every run's figures.")
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the results into this PNG (matplotlib)."
+)
+@_user_errors
+def bench_command(
+    models: tuple[str, ...],
+    backends: tuple[str, ...],
+    prompt_tokens: int,
+    gen_tokens: int,
+    runs: int,
+    threads: int | None,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Measure MODELs (default: the default model) on each backend, side by side.
+
+    Load time, cold start, TTFT, time per output token (P50/P95/P99), prefill and
+    decode tokens/s, peak memory and where each run's time goes. Each model/backend
+    pair runs in a fresh process; ratios are to the first pair.
+    """
+    from edgeinfer.bench import bench, check_plot_possible
+
+    if plot is not None:
+        check_plot_possible(plot)
+    report = bench(
+        models or (DEFAULT_MODEL,),
+        backends,
+        prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
+        runs=runs,
+        threads=threads,
+        progress=lambda line: click.echo(f"bench: {line}", err=True),
+    )
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
+    if plot is not None:  # after the figures are out, so a failed plot loses none of them
+        report.plot(plot)

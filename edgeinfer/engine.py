@@ -426,6 +426,7 @@ class Engine:
                     finish = "stop"
                     break
                 output.append(token)
+                m.token_times_s.append(t_sampled - start)
                 t = perf_counter()
                 chunk = text.push(tokenizer.piece(token))
                 m.detokenize_s += perf_counter() - t

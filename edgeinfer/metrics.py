@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -13,7 +16,8 @@ class Metrics:
     ``decode_s`` are the backend's evaluations, ``sample_s`` the sampler and
     ``detokenize_s`` the incremental detokenizer. ``ttft_s`` runs from the start
     of the call (the first ``next()`` of a stream), any wait for the engine included,
-    to the first sampled token; ``tpot_s`` is the mean gap between later tokens.
+    to the first sampled token; ``tpot_s`` is the mean gap between later tokens, and
+    ``tpot_percentile`` reads the spread of those gaps from ``token_times_s``.
     """
 
     prompt_tokens: int = 0
@@ -29,11 +33,23 @@ class Metrics:
     kv_used: int = 0
     kv_capacity: int = 0
     kv_evicted: int = 0  # tokens dropped by the KV policy during this call
+    # When each output token was sampled, in seconds from the start of the call.
+    token_times_s: list[float] = field(default_factory=list, repr=False)
 
     @property
     def tpot_s(self) -> float:
         """Time per output token after the first."""
         return (self.total_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def token_gaps_s(self) -> list[float]:
+        """The time between each output token and the one before it."""
+        times = self.token_times_s
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    def tpot_percentile(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the time per output token after the first."""
+        return percentile(self.token_gaps_s, q)
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,8 +62,17 @@ class Metrics:
         return evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, float | int]:
+        """Every figure, with the per-token times summed up as percentiles rather than listed."""
         out: dict[str, float | int] = asdict(self)
-        out.update(tpot_s=self.tpot_s, tokens_per_s=self.tokens_per_s, prefill_tokens_per_s=self.prefill_tokens_per_s)
+        del out["token_times_s"]
+        out.update(
+            tpot_s=self.tpot_s,
+            tpot_p50_s=self.tpot_percentile(50),
+            tpot_p95_s=self.tpot_percentile(95),
+            tpot_p99_s=self.tpot_percentile(99),
+            tokens_per_s=self.tokens_per_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+        )
         return out
 
     def format(self) -> str:
@@ -56,7 +81,12 @@ class Metrics:
         rows = [
             ("tokens", f"{self.prompt_tokens} prompt ({self.cached_tokens} cached), {self.output_tokens} generated"),
             ("TTFT", f"{self.ttft_s * ms:.1f} ms"),
-            ("decode", f"{self.tokens_per_s:.1f} tok/s ({self.tpot_s * ms:.2f} ms/token)"),
+            (
+                "decode",
+                f"{self.tokens_per_s:.1f} tok/s ({self.tpot_s * ms:.2f} ms/token; P50 "
+                f"{self.tpot_percentile(50) * ms:.2f}, P95 {self.tpot_percentile(95) * ms:.2f}, "
+                f"P99 {self.tpot_percentile(99) * ms:.2f} ms)",
+            ),
             ("prefill", f"{self.prefill_tokens_per_s:.1f} tok/s"),
             (
                 "stages",
@@ -68,3 +98,8 @@ class Metrics:
             ("total", f"{self.total_s * ms:.1f} ms"),
         ]
         return "\n".join(f"{name:>9}: {value}" for name, value in rows)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, interpolating between ranks; 0.0 for none."""
+    return float(np.percentile(values, q)) if len(values) else 0.0

@@ -26,7 +26,8 @@ def test_reference_equals_llamacpp(tmp_path, arch, options):
         with Engine(path, backend=backend, kv_budget="256tok", kv_type="f32", threads=2) as engine:
             logits[backend] = engine.logits(tokens).astype(np.float64)
             # Decoding one token at a time goes through the cache on both sides too.
-            logits[backend + " decode"] = np.stack([engine.backend.eval([t], i).copy() for i, t in enumerate(tokens[:8])])
+            stepped = [engine.backend.eval([t], i).copy() for i, t in enumerate(tokens[:8])]
+            logits[backend + " decode"] = np.stack(stepped)
     ours, theirs = logits["reference"], logits["llamacpp"]
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-4
     assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all()
