@@ -25,11 +25,12 @@ How it measures:
   over runs; TPOT percentiles pool the gaps between consecutive tokens of every run.
 - Peak RSS: the worker's ``ru_maxrss``, which counts the pages of mapped weights it touched.
 - Decode roofline: the bytes one decode step must read (every weight tensor in the GGUF,
-  less the token embedding when a separate output matrix exists, plus the f16 KV cache
+  less the token embedding when a separate output matrix exists, scaled by how much the
+  backend expands the file in RAM (4 bytes a weight for the reference), plus the f16 KV cache
   at the middle of the answer) divided by the read bandwidth numpy reaches summing a
   buffer of that size (at most 1 GiB) on the same number of threads, best of 3 passes.
   A model that fits in the CPU cache is thus held to the cache's bandwidth, as its
-  backend is. Left out for mixture-of-experts models, which read only some experts.
+  backend is.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ import numpy as np
 import psutil
 
 from edgeinfer.backends import backend_class
-from edgeinfer.engine import MIN_KV_TOKENS, Engine
+from edgeinfer.engine import Engine
 from edgeinfer.errors import BackendError, EdgeInferError, InvalidOptionError
+from edgeinfer.kv import MIN_KV_TOKENS
 from edgeinfer.metrics import Metrics, percentile
 from edgeinfer.models.catalog import resolve_model
-from edgeinfer.models.gguf_file import read_header
 from edgeinfer.models.info import ModelInfo, load_model_info
 from edgeinfer.system import available_ram, default_threads, estimate_memory, usable_cores
 
@@ -312,24 +313,29 @@ def bench(
     infos: dict[str, ModelInfo] = {}
     for model in models:
         info = infos[model] = load_model_info(resolve_model(model))
-        if prompt_tokens + gen_tokens > info.n_ctx_train:
+        if prompt_tokens + gen_tokens > info.hparams.n_ctx_train:
             raise InvalidOptionError(
                 f"{model}: a {prompt_tokens}-token prompt and {gen_tokens} generated tokens exceed its "
-                f"{info.n_ctx_train}-token context; lower --prompt-tokens or --gen-tokens"
+                f"{info.hparams.n_ctx_train}-token context; lower --prompt-tokens or --gen-tokens"
             )
     configs = [Config(model, infos[model].path, backend) for model in models for backend in backend_names]
     threads = min(threads, usable_cores()) if threads else default_threads()  # as the engine will
     prompts = {model: exact_prompt(info.path, prompt_tokens) for model, info in infos.items()}
 
     kv_tokens = max(prompt_tokens + gen_tokens, MIN_KV_TOKENS)
-    needed = sum(estimate_memory(infos[c.model], kv_tokens, "f16", 512).total for c in configs)
+    needed = sum(
+        estimate_memory(
+            infos[c.model], kv_tokens, "f16", 512, backend_class(c.backend).weight_bytes(infos[c.model])
+        ).total
+        for c in configs
+    )
     interleaved = len(configs) > 1 and needed < available_ram()
     groups = [configs] if interleaved else [[c] for c in configs]
 
     roofline = {}
-    for model, info in infos.items():
-        per_token = decode_bytes_per_token(info, context=prompt_tokens + gen_tokens // 2)
-        roofline[model] = (per_token, read_bandwidth(per_token, threads) if per_token else None)
+    for config in configs:
+        per_token = decode_bytes_per_token(infos[config.model], config.backend, prompt_tokens + gen_tokens // 2)
+        roofline[config] = (per_token, read_bandwidth(per_token, threads))
 
     outcomes: list[Outcome] = []
     for group in groups:
@@ -346,7 +352,7 @@ def bench(
                     "threads": threads,
                 }
                 worker = _Worker(config, job)
-                per_token, bandwidth = roofline[config.model]
+                per_token, bandwidth = roofline[config]
                 outcome = Outcome(
                     config,
                     threads=worker.threads,
@@ -388,16 +394,14 @@ def exact_prompt(model_path: Path, n: int) -> str:
     raise InvalidOptionError(f"cannot build a prompt of exactly {n} tokens for {model_path.name}; try another length")
 
 
-def decode_bytes_per_token(info: ModelInfo, context: int) -> int | None:
-    """Bytes one decode step reads: the weights and a ``context``-token KV cache (None for MoE models)."""
-    header = read_header(info.path)
-    if header.metadata.get(f"{info.architecture}.expert_count"):
-        return None
-    names = {t.name for t in header.tensors}
+def decode_bytes_per_token(info: ModelInfo, backend: str, context: int) -> int:
+    """Bytes one decode step reads: the weights as ``backend`` holds them, and a ``context``-token KV cache."""
     # The embedding table gives one row per token, unless it doubles as the output matrix.
-    skipped = "token_embd.weight" if "output.weight" in names else None
-    weights = sum(t.nbytes for t in header.tensors if t.name != skipped)
-    return weights + int(context * info.kv_bytes_per_token("f16"))
+    skipped = None if info.hparams.tied_embeddings else "token_embd.weight"
+    in_file = sum(t.nbytes for t in info.tensors if t.name != skipped)
+    # A backend that expands the weights (the reference holds f32) reads that much more.
+    expansion = backend_class(backend).weight_bytes(info) / info.file_size
+    return int(in_file * expansion) + int(context * info.kv_bytes_per_token("f16"))
 
 
 def read_bandwidth(nbytes: int, threads: int) -> float:
