@@ -23,7 +23,8 @@ How it measures:
   after another.
 - TTFT, prefill and decode tokens/s and stage times are the engine's ``Metrics``, median
   over runs; TPOT percentiles pool the gaps between consecutive tokens of every run.
-- Peak RSS: the worker's ``ru_maxrss``, which counts the pages of mapped weights it touched.
+- Peak RSS: the worker's own high-water mark (``VmHWM`` on Linux), which counts the pages of
+  mapped weights it touched.
 - Decode roofline: the bytes one decode step must read (every weight tensor in the GGUF,
   less the token embedding when a separate output matrix exists, scaled by how much the
   backend expands the file in RAM (4 bytes a weight for the reference), plus the f16 KV cache
@@ -532,6 +533,13 @@ def _peak_rss() -> int:
     """This process's peak resident set, in bytes."""
     if sys.platform == "win32":
         return int(psutil.Process().memory_info().peak_wset)
+    if sys.platform == "linux":
+        # Not ru_maxrss: Linux carries it over from the parent across fork and exec, so a worker
+        # started by a parent that had just read a large buffer would report the parent's peak.
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
