@@ -437,6 +437,10 @@ class _Routing:
             if err.kind == "cancelled":
                 self.cloud_finish = "cancelled"
                 return
+            if not local_on_failure:
+                raise CloudError(
+                    f"{self.reason}, and the cloud failed mid-answer: {err}", err.kind, err.status
+                ) from None
             yield from self._continue_locally(err)
             return
         self.cloud_model = cloud_stream.model

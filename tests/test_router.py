@@ -8,12 +8,15 @@ import re
 import threading
 import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from edgeinfer import Budget, CloudError, CloudModel, ContextFull, Engine, Policy, PrivacyRule, Router
+from edgeinfer.calibration import apgr, auroc, is_correct, share_to_recover, threshold_for_share
 from edgeinfer.cli import cli
-from edgeinfer.signals import WEIGHTS
+from edgeinfer.privacy import PrivacyRules
+from edgeinfer.signals import WEIGHTS, task_signals
 
 from openai_server import OpenAIServer
 from support import FRANCE, SYSTEM
@@ -362,3 +365,59 @@ def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
     questions.write_text('{"question": "no answers"}\n')
     bad = CliRunner().invoke(cli, args)
     assert bad.exit_code == 1 and "q.jsonl:1" in bad.stderr and "answers" in bad.stderr
+
+
+# -- the pieces: confidence from the engine, task features, privacy rules, quality math -----------
+
+
+def test_engine_log_probs_match_a_fresh_full_evaluation(engine):
+    engine.reset()
+    result = engine.chat(FRANCE, **PARIS)
+    assert len(result.logprobs) == len(result.tokens) and all(lp <= 0 for lp in result.logprobs)
+    scored = engine.prompt_logprobs(FRANCE, start=5)
+    tokens = engine.tokenize(FRANCE)
+    assert len(scored) == len(tokens) - 5
+    engine.reset()
+    rows = engine.backend.eval(tokens, 0, all_logits=True).astype(np.float64)
+    engine.reset()
+    reference = [rows[i - 1][tokens[i]] - np.log(np.exp(rows[i - 1]).sum()) for i in range(5, len(tokens))]
+    assert np.allclose(engine.prompt_logprobs(FRANCE, start=5), reference, atol=1e-3)
+    # The scored prompt stays cached: the answer after it evaluates only the last prompt token.
+    assert engine.chat(FRANCE, **PARIS).metrics.cached_tokens == len(tokens) - 1
+
+
+@pytest.mark.parametrize(
+    ("text", "signal", "low", "high"),
+    [
+        ("What is 4738 * 2913?", "arithmetic", 1.0, 1.0),
+        ("What is 2 + 2?", "arithmetic", 0.2, 0.3),
+        ("What is the capital of France?", "arithmetic", 0.0, 0.0),
+        ("Tom has 3 apples and buys twice as many. How many are left?", "reasoning", 0.5, 1.0),
+        ("What does list(range(3)) return in Python?", "code", 1.0, 1.0),
+        ("¿Cuál es la capital de España?", "language", 0.9, 1.0),
+        ("日本の首都はどこですか？", "language", 1.0, 1.0),
+        ("Translate 'thank you' into German.", "language", 0.6, 0.6),
+        ("What is the capital of France?", "language", 0.0, 0.0),
+    ],
+)
+def test_task_signals(text, signal, low, high):
+    assert low <= task_signals(text)[signal] <= high
+
+
+def test_privacy_rules_spare_ordinary_numbers():
+    rules = PrivacyRules()
+    for text in ("In 2024 we sold 1234567 units.", "What is 4111111111111112 / 2?", "Version 1.2.3", "3.14159"):
+        assert rules.first_match(text) is None, text
+    assert rules.first_match("ssn? no: mail a.b@c.io") == "email address"
+    assert rules.first_match("password: hunter2hunter2") == "API key or token"
+
+
+def test_quality_math():
+    correct = [True, True, False, False]
+    perfect, backwards, tied = [0, 0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]
+    assert auroc(perfect, [not c for c in correct]) == 1.0 and auroc(tied, [not c for c in correct]) == 0.5
+    assert apgr(tied, correct) == pytest.approx(0.5) and apgr(backwards, correct) < 0.5 < apgr(perfect, correct)
+    assert share_to_recover(perfect, correct, 1.0) == 0.5
+    assert threshold_for_share([0.1, 0.2, 0.3, 0.4], 0.5) == pytest.approx(0.25)
+    assert is_correct("The answer is 1,786.", ["1786"]) and not is_correct("It is 17865.", ["1786"])
+    assert not is_correct("'abc'.upper() is abc", ["ABC"]) and is_correct("Paris!", ["paris"])
