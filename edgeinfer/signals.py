@@ -69,14 +69,14 @@ _TRANSLATION = re.compile(
     rf"\b(?:translate|translation|how do you say|in {_LANGUAGES}\b|{_LANGUAGES} (?:word|for|phrase))", re.I
 )
 _WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
-# Frequent short words of the larger European languages that English does not share.
+# Frequent short words of the larger European languages that are not also English words.
 _FOREIGN_WORDS = frozenset(
     " ".join(
         (
-            "le la les des une est sont du et ou quelle quel comment combien pourquoi avec pour dans sur très ciel",
-            "el los las es son y qué cuál cuántos cuánto cómo dónde por para con una tiene",
-            "der die das ist sind und wie viele welche warum mit für ein eine hat heißt von",
-            "o os as é são qual quantos com um uma il lo gli sono che chi perché",
+            "le la les des une est sont du et ou quelle quel comment combien pourquoi avec pour dans sur très",
+            "el los las es y qué cuál cuántos cuánto cómo dónde por para con una tiene",
+            "der das ist sind und wie viele welche warum mit für ein eine heißt von",
+            "os é são qual quantos com uma il gli sono che perché",
         )
     ).split()
 )

@@ -16,6 +16,7 @@ from edgeinfer import Budget, CloudError, CloudModel, ContextFull, Engine, Polic
 from edgeinfer.calibration import apgr, auroc, is_correct, share_to_recover, threshold_for_share
 from edgeinfer.cli import cli
 from edgeinfer.privacy import PrivacyRules
+from edgeinfer.router import assess
 from edgeinfer.signals import WEIGHTS, task_signals
 
 from openai_server import OpenAIServer
@@ -96,17 +97,28 @@ def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, se
     assert result.local_usage.completion_tokens == 0
 
 
-def test_auto_escalates_on_low_confidence_and_the_caller_sees_only_the_cloud(make_router, server, engine):
-    probe = Router(engine, CloudModel(server.url, "oracle"), policy=Policy(probe_tokens=6)).assess(FRANCE, **PARIS)
-    before = probe.score - WEIGHTS["uncertainty"] * probe.signals["uncertainty"]
+@pytest.fixture(scope="module")
+def unsure(engine):
+    """A policy that lets FRANCE through before generating but escalates it after a 6-token probe."""
+    probe = assess(engine, FRANCE, policy=Policy(probe_tokens=6), **PARIS)
     assert probe.signals["uncertainty"] > 0
-    # A threshold between the score before generating and the score after the probe.
-    router = make_router(Policy("auto", threshold=(before + probe.score) / 2, probe_tokens=6))
-    chunks, result = streamed(router.stream(FRANCE, **PARIS))
+    before = probe.score - WEIGHTS["uncertainty"] * probe.signals["uncertainty"]
+    return Policy("auto", threshold=(before + probe.score) / 2, probe_tokens=6)
+
+
+def test_auto_escalates_on_low_confidence_and_the_caller_sees_only_the_cloud(make_router, server, engine, unsure):
+    chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
     assert result.route == "cloud" and result.text == CLOUD_ANSWER and not result.degraded
     assert "after 6 local tokens" in result.reason
     assert result.local_usage.completion_tokens == 6
     assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1  # the probe let go of the engine
+
+
+def test_an_escalated_probe_resumes_locally_when_the_cloud_fails(make_router, server, local_paris, unsure):
+    server.fail("status", status=503, times=2)
+    chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
+    assert result.route == "local" and result.degraded and result.text == local_paris  # the held tokens too
+    assert "after 6 local tokens" in result.reason and "the cloud failed (server" in result.reason
 
 
 def test_routed_length_escalation(make_router, server):
@@ -187,14 +199,6 @@ def test_a_cloud_stream_broken_mid_answer_is_finished_locally_without_repeats(ma
     assert chunks[:3] == [w + " " for w in CLOUD_ANSWER.split(" ")[:3]]
     assert result.text.startswith(cloud_part) and len(result.text) > len(cloud_part)
     assert result.route == "local" and result.degraded and "mid-answer" in result.reason
-
-
-def test_an_escalated_probe_resumes_locally_when_the_cloud_fails(make_router, server, local_paris):
-    server.fail("status", status=503, times=2)
-    router = make_router(Policy("auto", threshold=0.0, probe_tokens=5))  # every prompt escalates after the probe
-    result = router.chat(FRANCE, **PARIS)
-    assert result.route == "local" and result.degraded and result.text == local_paris
-    assert result.reason.startswith("escalation score") and "the cloud failed (server" in result.reason
 
 
 def test_an_open_breaker_keeps_calls_local_without_requests(make_router, server):
