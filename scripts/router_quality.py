@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from edgeinfer import CloudModel, Engine, Policy, Router  # noqa: E402
+from edgeinfer import CloudModel, Engine, Message, Policy, Router  # noqa: E402
 from edgeinfer.calibration import (  # noqa: E402
     apgr,
     auroc,
@@ -82,7 +82,7 @@ def main() -> None:
     print(f"\n{len(records)} questions from {args.questions.name}; {time.perf_counter() - started:.0f} s in all")
 
 
-def messages_for(question: str) -> list[dict[str, str]]:
+def messages_for(question: str) -> list[Message]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
@@ -106,12 +106,12 @@ def assess_all(router: Router, questions: list, max_tokens: int) -> list[dict]:
     return records
 
 
-def figures(scores: list[float], correct: np.ndarray) -> str:
+def figures(scores: list[float], correct: list[bool]) -> str:
     shares, recovered = recovery_curve(scores, correct)
     at_half = float(np.interp(0.5, shares, recovered))
     return (
         f"{share_to_recover(scores, correct, 0.5):>6.2f} {share_to_recover(scores, correct, 0.8):>6.2f} "
-        f"{apgr(scores, correct):>6.3f} {auroc(scores, ~correct):>6.3f} {at_half:>8.1%}"
+        f"{apgr(scores, correct):>6.3f} {auroc(scores, [not c for c in correct]):>6.3f} {at_half:>8.1%}"
     )
 
 
@@ -121,9 +121,9 @@ def report(records: list[dict]) -> None:
             r["signals"].update(task_signals(r["question"]))
         r["signals"]["uncertainty"] = uncertainty_signal(r["logprobs"][: Policy().probe_tokens])
         r["score"] = escalation_score(r["signals"])
-    correct = np.array([r["correct"] for r in records])
-    a = correct.mean()
-    print(f"local accuracy: {a:.1%} ({correct.sum()}/{len(records)}); the oracle cloud: 100%")
+    correct: list[bool] = [r["correct"] for r in records]
+    a = float(np.mean(correct))
+    print(f"local accuracy: {a:.1%} ({sum(correct)}/{len(records)}); the oracle cloud: 100%")
     print(f"a perfect router recovers {min(1.0, 0.5 / (1 - a)):.0%} of the gap at 50% cloud calls; random 50%")
     by_category: dict[str, list[bool]] = {}
     for r in records:
