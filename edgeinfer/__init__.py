@@ -19,12 +19,17 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "backends").is_dir(
 
 _EXPORTS = {
     "Message": "edgeinfer.chat",
+    "Cancellation": "edgeinfer.cloud",
+    "CircuitBreaker": "edgeinfer.cloud",
+    "CloudModel": "edgeinfer.cloud",
+    "Usage": "edgeinfer.cloud",
     "AsyncStream": "edgeinfer.engine",
     "Engine": "edgeinfer.engine",
     "Result": "edgeinfer.engine",
     "Stream": "edgeinfer.engine",
     "BackendError": "edgeinfer.errors",
     "BackendUnavailableError": "edgeinfer.errors",
+    "CloudError": "edgeinfer.errors",
     "ContextFull": "edgeinfer.errors",
     "DownloadError": "edgeinfer.errors",
     "EdgeInferError": "edgeinfer.errors",
@@ -36,12 +41,22 @@ _EXPORTS = {
     "KVBudget": "edgeinfer.kv",
     "KVPolicy": "edgeinfer.kv",
     "Metrics": "edgeinfer.metrics",
+    "PrivacyRule": "edgeinfer.privacy",
+    "Budget": "edgeinfer.router",
+    "Policy": "edgeinfer.router",
+    "RoutedResult": "edgeinfer.router",
+    "Router": "edgeinfer.router",
     "SamplingParams": "edgeinfer.sampling",
 }
 __all__ = [
     "AsyncStream",
     "BackendError",
     "BackendUnavailableError",
+    "Budget",
+    "Cancellation",
+    "CircuitBreaker",
+    "CloudError",
+    "CloudModel",
     "ContextFull",
     "DownloadError",
     "EdgeInferError",
@@ -54,10 +69,15 @@ __all__ = [
     "Message",
     "Metrics",
     "ModelNotFoundError",
+    "Policy",
+    "PrivacyRule",
     "Result",
+    "RoutedResult",
+    "Router",
     "SamplingParams",
     "Stream",
     "TemplateError",
+    "Usage",
 ]
 
 
@@ -71,10 +91,12 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from edgeinfer.chat import Message
+    from edgeinfer.cloud import Cancellation, CircuitBreaker, CloudModel, Usage
     from edgeinfer.engine import AsyncStream, Engine, Result, Stream
     from edgeinfer.errors import (
         BackendError,
         BackendUnavailableError,
+        CloudError,
         ContextFull,
         DownloadError,
         EdgeInferError,
@@ -86,4 +108,6 @@ if TYPE_CHECKING:
     )
     from edgeinfer.kv import KVBudget, KVPolicy
     from edgeinfer.metrics import Metrics
+    from edgeinfer.privacy import PrivacyRule
+    from edgeinfer.router import Budget, Policy, RoutedResult, Router
     from edgeinfer.sampling import SamplingParams

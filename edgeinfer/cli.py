@@ -122,7 +122,19 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
     help="KV cache element type.",
 )
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
-@click.option("--stats", is_flag=True, help="Print timings and KV use to stderr afterwards.")
+@click.option(
+    "--route",
+    type=click.Choice(("auto", "local", "cloud")),
+    help="Where to answer: auto escalates hard prompts to the cloud (default: auto with a cloud URL, else local).",
+)
+@click.option("--cloud-url", envvar="EDGEINFER_CLOUD_URL", help="OpenAI-compatible API base, e.g. https://host/v1.")
+@click.option("--cloud-model", envvar="EDGEINFER_CLOUD_MODEL", help="The cloud model's name; key: OPENAI_API_KEY.")
+@click.option(
+    "--route-threshold",
+    type=float,
+    help="Escalation score at which auto goes to the cloud (default 0.35; see `edgeinfer router calibrate`).",
+)
+@click.option("--stats", is_flag=True, help="Print route, timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of as it is generated.")
 @click.option("--force", is_flag=True, help="Load even if the model does not seem to fit in RAM.")
@@ -144,12 +156,16 @@ def run(
     kv_policy: str,
     kv_type: str,
     threads: int | None,
+    route: str | None,
+    cloud_url: str | None,
+    cloud_model: str | None,
+    route_threshold: float | None,
     stats: bool,
     as_json: bool,
     no_stream: bool,
     force: bool,
 ) -> None:
-    """Answer PROMPT (or standard input) with a local model."""
+    """Answer PROMPT (or standard input) with a local model, or a cloud model when it is beyond it."""
     from edgeinfer.engine import Engine
 
     if prompt is None:
@@ -178,10 +194,20 @@ def run(
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": prompt}
     ]
+    route = route or ("auto" if cloud_url else "local")
+    cloud = _cloud_model(cloud_url, cloud_model) if route != "local" or cloud_url else None
     engine = Engine(
         model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
     )
-    with engine, engine.stream(messages, params) as stream:
+    if cloud is not None:
+        from edgeinfer.router import Policy, Router
+
+        policy = Policy(route) if route_threshold is None else Policy(route, threshold=route_threshold)  # type: ignore[arg-type]
+        router = Router(engine, cloud, policy=policy)
+        stream_of: Any = router.stream
+    else:
+        stream_of = engine.stream
+    with engine, stream_of(messages, params) as stream:
         try:
             if as_json or no_stream:
                 for _ in stream:
@@ -207,9 +233,106 @@ def run(
             click.echo()
         if stats:
             click.echo(f"{'model':>9}: {result.model} on {result.backend} ({engine.threads} threads)", err=True)
-            click.echo(f"{'route':>9}: {result.route}", err=True)
+            click.echo(
+                f"{'route':>9}: {result.route}{' (degraded)' if getattr(result, 'degraded', False) else ''}", err=True
+            )
+            if getattr(result, "reason", ""):
+                click.echo(f"{'reason':>9}: {result.reason}", err=True)
+            if result.backend == "cloud":
+                usage = result.cloud_usage  # type: ignore[attr-defined]
+                click.echo(
+                    f"{'cloud':>9}: {usage.prompt_tokens} prompt + {usage.completion_tokens} output tokens"
+                    f"{' (counted here)' if usage.estimated else ''}, estimated cost {result.cloud_cost:.4f}",  # type: ignore[attr-defined]
+                    err=True,
+                )
             click.echo(f"{'finish':>9}: {result.finish_reason}", err=True)
             click.echo(result.metrics.format(), err=True)
+
+
+def _cloud_model(url: str | None, model: str | None) -> Any:
+    from edgeinfer.cloud import CloudModel
+
+    if not url:
+        _fail("routing to the cloud needs its URL: pass --cloud-url or set EDGEINFER_CLOUD_URL (or use --route local)")
+    if not model:
+        _fail("routing to the cloud needs a model name: pass --cloud-model or set EDGEINFER_CLOUD_MODEL")
+    return CloudModel(url, model)
+
+
+@cli.group()
+def router() -> None:
+    """Route prompts between this machine and a cloud model."""
+
+
+@router.command()
+@click.option("--questions", required=True, type=click.Path(dir_okay=False), help="JSON Lines: question, answers.")
+@click.option("--cloud-share", type=float, default=0.3, show_default=True, help="Target share of cloud calls (0-1).")
+@click.option(
+    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
+)
+@click.option("--system", "system_prompt", help="System prompt, as you will use it with `run`.")
+@click.option("--max-tokens", type=int, default=48, show_default=True, help="Tokens per local answer.")
+@click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True)
+@click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_user_errors
+def calibrate(
+    questions: str,
+    cloud_share: float,
+    model: str,
+    system_prompt: str | None,
+    max_tokens: int,
+    kv_budget: str,
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Pick the auto threshold that sends --cloud-share of the questions to the cloud.
+
+    The local model answers every question (greedy); the threshold is the escalation score
+    above which that share of them lies. The accepted answers grade the local replies, to
+    show how much quality the threshold would win back with a cloud that is always right.
+    """
+    import numpy as np
+
+    from edgeinfer.calibration import auroc, is_correct, load_questions, recovery_curve, threshold_for_share
+    from edgeinfer.chat import Message
+    from edgeinfer.engine import Engine
+    from edgeinfer.router import assess
+
+    if not 0.0 <= cloud_share <= 1.0:
+        _fail(f"--cloud-share must be between 0 and 1, got {cloud_share}")
+    labelled = load_questions(questions)
+    scores, correct = [], []
+    with Engine(model, kv_budget=kv_budget, threads=threads) as engine:
+        for i, q in enumerate(labelled, 1):
+            system: list[Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            found = assess(
+                engine, [*system, {"role": "user", "content": q.question}], temperature=0, max_tokens=max_tokens
+            )
+            scores.append(found.score)
+            correct.append(is_correct(found.result.text, q.answers))
+            click.echo(f"\r{i}/{len(labelled)} questions", nl=False, err=True)
+    click.echo("", err=True)
+    threshold = threshold_for_share(scores, cloud_share)
+    share = float(np.mean(np.asarray(scores) >= threshold))
+    shares, recovered = recovery_curve(scores, correct)
+    report = {
+        "threshold": round(threshold, 4),
+        "questions": len(labelled),
+        "cloud_share": share,
+        "local_accuracy": float(np.mean(correct)),
+        "gap_recovered": float(np.interp(share, shares, recovered)),
+        "auroc": auroc(scores, [not c for c in correct]),
+    }
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"threshold {report['threshold']}: {share:.0%} of {len(labelled)} questions go to the cloud")
+    click.echo(
+        f"local accuracy {report['local_accuracy']:.1%}; with an always-right cloud this threshold wins back "
+        f"{report['gap_recovered']:.0%} of the gap (random routing: {share:.0%}); AUROC {report['auroc']:.2f}"
+    )
+    click.echo(f"use it: edgeinfer run --route auto --route-threshold {report['threshold']} ...")
 
 
 @cli.command()
@@ -218,7 +341,15 @@ def run(
 )
 @click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
 @click.option("--system", "system_prompt", default="", help="System prompt.")
-@click.option("--route", default="local", show_default=True, help="Where answers come from (only local for now).")
+@click.option(
+    "--route",
+    type=click.Choice(("local", "auto", "cloud")),
+    default="local",
+    show_default=True,
+    help="Where answers come from; auto and cloud need --cloud-url and --cloud-model (or their variables).",
+)
+@click.option("--cloud-url", envvar="EDGEINFER_CLOUD_URL", help="OpenAI-compatible base URL [EDGEINFER_CLOUD_URL].")
+@click.option("--cloud-model", envvar="EDGEINFER_CLOUD_MODEL", help="The cloud model's name [EDGEINFER_CLOUD_MODEL].")
 @click.option("--temperature", type=float, default=_SAMPLING.temperature, show_default=True, help="0 is greedy.")
 @click.option("--max-tokens", type=int, default=_SAMPLING.max_tokens, show_default=True)
 @click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True, help="KV cache cap: '64MB' or '512tok'.")
@@ -230,6 +361,8 @@ def chat(
     backend: str,
     system_prompt: str,
     route: str,
+    cloud_url: str | None,
+    cloud_model: str | None,
     temperature: float,
     max_tokens: int,
     kv_budget: str,
@@ -245,6 +378,8 @@ def chat(
         backend=backend,
         system=system_prompt,
         route=route,
+        cloud_url=cloud_url,
+        cloud_model=cloud_model,
         temperature=temperature,
         max_tokens=max_tokens,
         kv_budget=kv_budget,

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Literal
 
@@ -33,6 +33,7 @@ from edgeinfer.system import check_memory, default_threads, estimate_memory, usa
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
+_SCORE_BATCH = 64  # prompt tokens per all-logits evaluation in prompt_logprobs
 FinishReason = Literal["stop", "length", "cancelled"]
 Prompt = str | Sequence[Message]
 
@@ -42,7 +43,8 @@ class Result:
     """One finished generation.
 
     ``finish_reason``: ``stop`` (end-of-generation token or a stop string),
-    ``length`` (``max_tokens`` reached) or ``cancelled``.
+    ``length`` (``max_tokens`` reached) or ``cancelled``. ``logprobs[i]`` is the natural-log
+    probability the model gave ``tokens[i]`` (before sampling filters): a confidence signal.
     """
 
     text: str
@@ -52,6 +54,7 @@ class Result:
     model: str
     backend: str
     route: str = "local"
+    logprobs: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,12 +72,16 @@ class Stream(Iterator[str]):
     """Text chunks as they are generated; ``result`` once the iteration has ended.
 
     ``cancel()`` may be called from any thread: the generation stops after the
-    token in progress and finishes with ``finish_reason == "cancelled"``.
+    token in progress and finishes with ``finish_reason == "cancelled"``. ``logprobs``
+    grows as tokens are sampled, so a caller can judge the model's confidence mid-stream.
     """
 
-    def __init__(self, chunks: Generator[str, None, Result], cancel: threading.Event) -> None:
+    def __init__(
+        self, chunks: Generator[str, None, Result], cancel: threading.Event, logprobs: list[float] | None = None
+    ) -> None:
         self._chunks = chunks
         self._cancel = cancel
+        self.logprobs: list[float] = logprobs if logprobs is not None else []
         self.result: Result | None = None
 
     def __next__(self) -> str:
@@ -279,7 +286,8 @@ class Engine:
                 )
             params = dataclasses.replace(params, **options)
         cancel = threading.Event()
-        return Stream(self._run(prompt, params, cancel), cancel)
+        logprobs: list[float] = []
+        return Stream(self._run(prompt, params, cancel, logprobs), cancel, logprobs)
 
     async def agenerate(self, prompt: str, params: SamplingParams | None = None, **options: Any) -> Result:
         """Async ``generate``; cancelling the awaiting task cancels the generation."""
@@ -323,6 +331,43 @@ class Engine:
             finally:
                 self.backend.truncate(0)
 
+    def prompt_logprobs(self, prompt: Prompt, start: int = 1) -> list[float]:
+        """The log-probability of each prompt token from index ``start`` on, given the tokens before it.
+
+        Their mean is minus the log-perplexity: how familiar the prompt looks to the model.
+        The prompt stays in the KV cache, so a following call on it only evaluates its last token.
+        Raises ``ContextFull`` if the prompt alone does not fit in the cache.
+        """
+        with self._hold():
+            tokens = self.tokenize(prompt)
+            if len(tokens) > self.capacity:
+                raise ContextFull(
+                    f"the prompt has {len(tokens)} tokens, more than the KV budget of {self._budget_text}"
+                )
+            start = max(1, min(start, len(tokens)))
+            # Row i of the logits predicts token i + 1, so scoring from ``start`` evaluates from ``start - 1``.
+            reuse = min(_common_prefix(self._cached, tokens), start - 1)
+            self.backend.truncate(reuse)
+            del self._cached[reuse:]
+            scores: list[float] = []
+            try:
+                if reuse < start - 1:
+                    self.backend.eval(tokens[reuse : start - 1], reuse)
+                    self._cached.extend(tokens[reuse : start - 1])
+                # Small batches: all-token logits cost n_vocab floats per token.
+                for first in range(start - 1, len(tokens), _SCORE_BATCH):
+                    batch = tokens[first : first + _SCORE_BATCH]
+                    rows = self.backend.eval(batch, first, all_logits=True)
+                    self._cached.extend(batch)
+                    targets = tokens[first + 1 : first + 1 + len(batch)]
+                    for row, target in zip(rows, targets, strict=False):
+                        scores.append(float(row[target]) - _logsumexp(row))
+            except BaseException:
+                self.backend.truncate(0)
+                self._cached.clear()
+                raise
+            return scores
+
     def reset(self) -> None:
         """Forget the cached conversation."""
         with self._hold():
@@ -356,7 +401,9 @@ class Engine:
 
     # -- the decode loop -----------------------------------------------------------------------
 
-    def _run(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Generator[str, None, Result]:
+    def _run(
+        self, prompt: Prompt, params: SamplingParams, cancel: threading.Event, logprobs: list[float]
+    ) -> Generator[str, None, Result]:
         start = perf_counter()  # TTFT counts any wait for another generation to finish
         with self._hold():
             m = Metrics(kv_capacity=self.capacity)
@@ -366,7 +413,7 @@ class Engine:
             if not tokens:
                 raise InvalidOptionError("the prompt is empty: give the model some text to continue")
             try:
-                result = yield from self._decode(tokens, params, cancel, m, start)
+                result = yield from self._decode(tokens, params, cancel, m, start, logprobs)
             except (ContextFull, GeneratorExit):
                 raise
             except BaseException:
@@ -377,7 +424,13 @@ class Engine:
             return result
 
     def _decode(
-        self, prompt: list[int], params: SamplingParams, cancel: threading.Event, m: Metrics, start: float
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        cancel: threading.Event,
+        m: Metrics,
+        start: float,
+        logprobs: list[float],
     ) -> Generator[str, None, Result]:
         cached, backend, tokenizer = self._cached, self.backend, self.tokenizer
         sampler = Sampler(params)
@@ -427,6 +480,7 @@ class Engine:
                     break
                 output.append(token)
                 m.token_times_s.append(t_sampled - start)
+                logprobs.append(float(logits[token]) - _logsumexp(logits))
                 t = perf_counter()
                 chunk = text.push(tokenizer.piece(token))
                 m.detokenize_s += perf_counter() - t
@@ -451,7 +505,7 @@ class Engine:
         m.output_tokens = len(output)
         m.total_s = perf_counter() - start
         m.kv_used = len(cached)
-        return Result(text.text, output, finish, m, self.model_path.name, backend.name)
+        return Result(text.text, output, finish, m, self.model_path.name, backend.name, logprobs=logprobs)
 
     def _make_room(self, n_incoming: int, m: Metrics) -> None:
         start, end = self.kv_policy.eviction(
@@ -490,6 +544,11 @@ class _EngineLock:
     def __exit__(self, *exc: object) -> None:
         self._engine._owner = None
         self._engine._lock.release()
+
+
+def _logsumexp(logits: np.ndarray) -> float:
+    top = float(logits.max())
+    return top + float(np.log(np.exp(logits - top).sum(dtype=np.float64)))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

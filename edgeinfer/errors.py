@@ -52,3 +52,18 @@ class InvalidOptionError(EdgeInferError, ValueError):
 
 class BackendError(EdgeInferError):
     """A backend failed while loading or evaluating (a native error code, out of memory)."""
+
+
+class CloudError(EdgeInferError):
+    """A cloud model call failed for good (after its retries).
+
+    ``kind`` says how: ``timeout``, ``connection``, ``rate_limited``, ``server``, ``auth``, ``quota``,
+    ``bad_request``, ``protocol`` (a malformed answer), ``circuit_open`` or ``cancelled``;
+    ``status`` is the HTTP status if there was one; ``retry_after`` the wait the server asked for.
+    """
+
+    def __init__(self, message: str, kind: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.retry_after = retry_after

@@ -18,6 +18,7 @@ from edgeinfer.tui.app import THREAD_PREFIX, ChatApp
 from edgeinfer.tui.settings import ChatSettings
 from edgeinfer.tui.widgets import PromptInput
 
+from openai_server import OpenAIServer
 from support import SYSTEM
 
 FRANCE = "What is the capital of France?"
@@ -256,7 +257,7 @@ async def test_slash_commands_change_settings_and_explain_mistakes(settings):
             "/temperature -1": "temperature must be >= 0",
             "/max-tokens 0": "max_tokens must be at least 1",
             "/kv-policy lru": "unknown KV policy 'lru'",
-            "/route cloud": "the cloud router is not available yet",
+            "/route sky": "unknown route 'sky'",
             "/frobnicate": "unknown command /frobnicate",
             "/save": "name the file",
         }
@@ -274,12 +275,32 @@ async def test_slash_commands_change_settings_and_explain_mistakes(settings):
 
 def test_the_chat_command_refuses_what_it_cannot_do():
     runner = CliRunner()
-    result = runner.invoke(cli, ["chat", "--route", "cloud"])
+    result = runner.invoke(cli, ["chat", "--route", "cloud"], env={"EDGEINFER_CLOUD_URL": None})
     assert result.exit_code == 1
-    assert result.stderr.strip() == "error: route 'cloud': " + "the cloud router is not available yet; " + (
-        "the route can only be local for now"
-    )
+    assert result.stderr.strip() == "error: no cloud URL: pass url= (--cloud-url) or set EDGEINFER_CLOUD_URL"
     result = runner.invoke(cli, ["chat", "--temperature", "-1"])
     assert result.exit_code == 1 and "temperature must be >= 0" in result.stderr
     result = runner.invoke(cli, ["chat"])  # CliRunner's stdin is no terminal
     assert result.exit_code == 1 and "needs a terminal" in result.stderr
+
+
+async def test_the_route_shows_where_each_answer_came_from_and_why(settings):
+    with OpenAIServer(default_answer="The cloud says the capital of France is Paris.") as server:
+        routed = settings.replace(route="cloud", cloud_url=server.url, cloud_model="oracle")
+        app = ChatApp(routed)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert "The cloud says" in await answer(pilot, FRANCE)
+            assert app.status.stats.route == "cloud" and "route cloud (" in app.status.text
+            assert len(server.requests) == 1
+
+            server.fail("status", status=500)  # the cloud fails: the local model answers, marked degraded
+            server.fail("status", status=500)
+            server.fail("status", status=500)
+            assert "Paris" in await answer(pilot, FRANCE)
+            assert app.status.stats.route == "local" and errors(app) == []
+
+            await send(pilot, "/route local")
+            await ready(pilot)
+            assert "Paris" in await answer(pilot, FRANCE)
+            assert len(server.requests) <= 4 and app.status.stats.route == "local"

@@ -47,7 +47,7 @@ HELP = """\
 /max-tokens N      the longest answer, in tokens
 /kv-policy NAME    sinks, shift or error: what happens when the KV cache is full (reloads the model)
 /kv-budget SIZE    the KV cache size: tokens (4096tok) or bytes (64MB) (reloads the model)
-/route NAME        where answers come from: local
+/route NAME        where answers come from: local, auto or cloud
 /settings          the settings now
 Esc or Ctrl+C cancels an answer; Up and Down recall earlier prompts; Ctrl+Q quits."""
 

@@ -1,25 +1,25 @@
 """The chat's settings, and the one place where they become a model to talk to.
 
-``open_chat`` is where the cloud router plugs in: it returns the local engine (for the
-KV gauge and resets) and the object answers come from, which today is that same engine.
-A router only needs Engine's ``stream`` method, and a stream result with ``route``
-(and optionally ``reason``).
+``open_chat`` returns the local engine (for the KV gauge and resets) and the object answers
+come from: that same engine, or a Router in front of it and a cloud model, whose results
+say which side answered and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edgeinfer import Engine, InvalidOptionError, KVBudget, KVPolicy, Message, Result, SamplingParams
+from edgeinfer import Engine, InvalidOptionError, KVBudget, KVPolicy, Result, SamplingParams
+from edgeinfer.cloud import CloudModel
 from edgeinfer.kv import DEFAULT_KV_BUDGET
 from edgeinfer.models.catalog import DEFAULT_MODEL
+from edgeinfer.router import Router
 from edgeinfer.system import default_threads
 
-ROUTES = ("local",)
-ROUTER_MISSING = "the cloud router is not available yet; the route can only be local for now"
+ROUTES = ("local", "auto", "cloud")
 _SAMPLING = SamplingParams()
 
 
@@ -34,12 +34,8 @@ class AnswerStream(Protocol):
     def close(self) -> None: ...
 
 
-class ChatModel(Protocol):
-    """What answers the chat: an Engine, or a router in front of one."""
-
-    def stream(
-        self, prompt: Sequence[Message], params: SamplingParams | None = None, **options: Any
-    ) -> AnswerStream: ...
+# What answers the chat: the engine itself, or a router in front of it and a cloud model.
+ChatModel = Engine | Router
 
 
 @dataclass(frozen=True)
@@ -54,11 +50,15 @@ class ChatSettings:
     kv_budget: str = DEFAULT_KV_BUDGET
     kv_policy: str = "sinks"
     route: str = "local"
+    cloud_url: str | None = None  # default: $EDGEINFER_CLOUD_URL
+    cloud_model: str | None = None  # default: $EDGEINFER_CLOUD_MODEL
     threads: int | None = None
 
     def check(self) -> None:
         """Raise InvalidOptionError, naming the fix, for a value the chat cannot use."""
         check_route(self.route)
+        if self.route != "local":
+            CloudModel(self.cloud_url, self.cloud_model).close()  # says what is missing
         self.sampling()
         KVPolicy.parse(self.kv_policy)
         KVBudget.parse(self.kv_budget)
@@ -77,7 +77,7 @@ class ChatSettings:
 
 def check_route(route: str) -> None:
     if route not in ROUTES:
-        raise InvalidOptionError(f"route {route!r}: {ROUTER_MISSING}")
+        raise InvalidOptionError(f"unknown route {route!r}; choose one of {', '.join(ROUTES)}")
 
 
 def open_chat(settings: ChatSettings) -> tuple[Engine, ChatModel]:
@@ -93,11 +93,18 @@ def open_chat(settings: ChatSettings) -> tuple[Engine, ChatModel]:
         kv_policy=settings.kv_policy,
         threads=threads,
     )
-    return engine, engine
+    if settings.route == "local":
+        return engine, engine
+    try:
+        cloud = CloudModel(settings.cloud_url, settings.cloud_model)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, Router(engine, cloud, policy=settings.route)  # type: ignore[arg-type]  # check_route checked it
 
 
 def close_chat(engine: Engine, chat: ChatModel) -> None:
     """Close what ``open_chat`` opened; waits for a generation that is still stopping."""
-    if chat is not engine and hasattr(chat, "close"):
-        chat.close()
+    if isinstance(chat, Router):
+        chat.cloud.close()
     engine.close()

@@ -1,0 +1,185 @@
+"""Router quality benchmark: how much of the local-to-cloud quality gap each escalation signal recovers.
+
+The local side is SmolLM2-135M (greedy); the cloud side is the test OpenAI server from tests/,
+run as an oracle that answers each question with its accepted answer. For every question the
+local model answers in full and every signal is recorded; then, for each signal and for the
+``auto`` score, questions go to the cloud in order of falling score and we report:
+
+- local accuracy, and the accuracy a perfect router would reach at 50% cloud calls;
+- the cloud share needed to recover 50% and 80% of the gap between local and cloud quality;
+- APGR: the area under the gap-recovered-vs-cloud-share curve (random routing: 0.5; RouteLLM's metric);
+- AUROC of the score for predicting a wrong local answer;
+- the gap recovered at 50% cloud calls (the target: >= 75%; random recovers 50%).
+
+The ``auto`` weights in edgeinfer/signals.py were chosen by looking at this file, so its
+in-sample figures are optimistic; ``auto (5-fold CV)`` refits a logistic model of the same
+signals on four fifths of the questions and scores the fifth, an honest out-of-sample estimate.
+Finally the real Router runs every question with ``auto`` at the threshold ``calibrate`` picks
+for a 50% cloud share, through real HTTP to the oracle, and the answers it returns are graded.
+
+    python scripts/router_quality.py                      # a few minutes on 2 free cores
+    python scripts/router_quality.py --save runs.json     # keep the per-question records
+    python scripts/router_quality.py --load runs.json     # figures again, without the model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from edgeinfer import CloudModel, Engine, Message, Policy, Router  # noqa: E402
+from edgeinfer.calibration import (  # noqa: E402
+    apgr,
+    auroc,
+    is_correct,
+    load_questions,
+    recovery_curve,
+    share_to_recover,
+    threshold_for_share,
+)
+from edgeinfer.signals import SIGNALS, WEIGHTS, escalation_score, task_signals, uncertainty_signal  # noqa: E402
+
+from openai_server import OpenAIServer  # noqa: E402
+
+SYSTEM = "You are a helpful assistant."  # SmolLM2's own system prompt makes it answer in French
+QUESTIONS = ROOT / "scripts" / "data" / "router_questions.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--questions", type=Path, default=QUESTIONS)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--save", type=Path, help="write the per-question records here (JSON)")
+    parser.add_argument("--load", type=Path, help="read per-question records instead of running the model")
+    parser.add_argument("--no-route", action="store_true", help="skip the end-to-end run through the Router")
+    args = parser.parse_args()
+
+    questions = load_questions(args.questions)
+    answers = {q.question: q.answers[0] for q in questions}
+    started = time.perf_counter()
+    with OpenAIServer(answers=answers) as oracle:
+        engine = None if args.load and args.no_route else Engine(kv_budget="2048tok", threads=args.threads)
+        cloud = CloudModel(oracle.url, "oracle", api_key="not-needed")
+        if args.load:
+            records = json.loads(args.load.read_text())
+        else:
+            assert engine is not None
+            records = assess_all(Router(engine, cloud), questions, args.max_tokens)
+        if args.save:
+            args.save.write_text(json.dumps(records))
+        report(records)
+        if engine is not None and not args.no_route:
+            route_all(engine, cloud, questions, records, args.max_tokens)
+    print(f"\n{len(records)} questions from {args.questions.name}; {time.perf_counter() - started:.0f} s in all")
+
+
+def messages_for(question: str) -> list[Message]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def assess_all(router: Router, questions: list, max_tokens: int) -> list[dict]:
+    records = []
+    for i, q in enumerate(questions, 1):
+        found = router.assess(messages_for(q.question), temperature=0, max_tokens=max_tokens)
+        records.append(
+            {
+                "question": q.question,
+                "category": q.category,
+                "correct": is_correct(found.result.text, q.answers),
+                "signals": found.signals,
+                "score": found.score,
+                "logprobs": found.result.logprobs,
+                "reply": found.result.text,
+            }
+        )
+        print(f"\r{i}/{len(questions)} assessed", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return records
+
+
+def figures(scores: list[float], correct: list[bool]) -> str:
+    shares, recovered = recovery_curve(scores, correct)
+    at_half = float(np.interp(0.5, shares, recovered))
+    return (
+        f"{share_to_recover(scores, correct, 0.5):>6.2f} {share_to_recover(scores, correct, 0.8):>6.2f} "
+        f"{apgr(scores, correct):>6.3f} {auroc(scores, [not c for c in correct]):>6.3f} {at_half:>8.1%}"
+    )
+
+
+def report(records: list[dict]) -> None:
+    for r in records:  # scores from the signals as defined now, so --load follows changes to them
+        if "arithmetic" in r["signals"]:
+            r["signals"].update(task_signals(r["question"]))
+        r["signals"]["uncertainty"] = uncertainty_signal(r["logprobs"][: Policy().probe_tokens])
+        r["score"] = escalation_score(r["signals"])
+    correct: list[bool] = [r["correct"] for r in records]
+    a = float(np.mean(correct))
+    print(f"local accuracy: {a:.1%} ({sum(correct)}/{len(records)}); the oracle cloud: 100%")
+    print(f"a perfect router recovers {min(1.0, 0.5 / (1 - a)):.0%} of the gap at 50% cloud calls; random 50%")
+    by_category: dict[str, list[bool]] = {}
+    for r in records:
+        by_category.setdefault(r["category"], []).append(r["correct"])
+    print("by category: " + ", ".join(f"{c} {np.mean(v):.0%} of {len(v)}" for c, v in sorted(by_category.items())))
+    print(f"\n{'signal':<28} {'s@50%':>6} {'s@80%':>6} {'APGR':>6} {'AUROC':>6} {'gap@50%':>8}")
+    for name in SIGNALS:
+        print(f"{name:<28} {figures([r['signals'].get(name, 0.0) for r in records], correct)}")
+    for k in (4, 8, 16, 32):
+        for q in (0.0, 0.1, 0.25):
+            scores = [-float(np.quantile(r["logprobs"][:k], q)) if r["logprobs"] else 0.0 for r in records]
+            print(f"{f'  log-prob q{q:g} of first {k}':<28} {figures(scores, correct)}")
+    print(f"{'auto (shipped weights)':<28} {figures([r['score'] for r in records], correct)}")
+    print(f"{'auto (5-fold CV)':<28} {figures(cross_validated_scores(records), correct)}")
+    print(f"{'random (all tied)':<28} {figures([0.0] * len(records), correct)}")
+    print(f"weights: {', '.join(f'{k} {v:g}' for k, v in WEIGHTS.items())}")
+
+
+def cross_validated_scores(records: list[dict], folds: int = 5) -> list[float]:
+    """Out-of-fold scores of a logistic model of the signals (an estimate free of our own tuning)."""
+    x = np.array([[r["signals"].get(name, 0.0) for name in SIGNALS] for r in records])
+    x = np.c_[(x - x.mean(0)) / (x.std(0) + 1e-9), np.ones(len(x))]
+    y = ~np.array([r["correct"] for r in records])
+    order = np.random.default_rng(0).permutation(len(records))
+    scores = np.zeros(len(records))
+    for test in np.array_split(order, folds):
+        train = np.setdiff1d(order, test)
+        w = np.zeros(x.shape[1])
+        for _ in range(2000):  # gradient descent on the L2-regularised log loss
+            p = 1 / (1 + np.exp(-x[train] @ w))
+            w -= 0.2 * (x[train].T @ (p - y[train]) / len(train) + 0.01 * w)
+        scores[test] = x[test] @ w
+    return scores.tolist()
+
+
+def route_all(engine: Engine, cloud: CloudModel, questions: list, records: list[dict], max_tokens: int) -> None:
+    threshold = threshold_for_share([r["score"] for r in records], 0.5)
+    router = Router(engine, cloud, policy=Policy("auto", threshold=threshold))
+    routes, right, started = [], [], time.perf_counter()
+    for i, q in enumerate(questions, 1):
+        result = router.chat(messages_for(q.question), temperature=0, max_tokens=max_tokens)
+        routes.append(result.route)
+        right.append(is_correct(result.text, q.answers))
+        print(f"\r{i}/{len(questions)} routed", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    elapsed = time.perf_counter() - started
+    local_accuracy = np.mean([r["correct"] for r in records])
+    accuracy = np.mean(right)
+    share = routes.count("cloud") / len(routes)
+    print(
+        f"\nend to end, auto at threshold {threshold:.3f} (calibrated for 50% cloud): {share:.1%} cloud calls, "
+        f"accuracy {accuracy:.1%} (local alone {local_accuracy:.1%}), "
+        f"{(accuracy - local_accuracy) / (1 - local_accuracy):.1%} of the gap recovered; "
+        f"{elapsed / len(questions):.2f} s per question"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The cloud client against a real OpenAI-compatible server on 127.0.0.1 that fails on demand."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from edgeinfer import CloudError, CloudModel, InvalidOptionError
+
+from openai_server import OpenAIServer
+
+KEY = "sk-test-0123456789abcdefghij"
+HELLO = [{"role": "user", "content": "Hello?"}]
+
+
+@pytest.fixture
+def server():
+    with OpenAIServer(default_answer="Hello from the cloud model.") as s:
+        yield s
+
+
+def make(server, **options):
+    defaults = dict(api_key=KEY, connect_timeout=0.5, read_timeout=0.3, backoff_s=0.02, breaker_cooldown_s=60)
+    return CloudModel(server.url, "big-model", **{**defaults, **options})
+
+
+def test_complete_and_stream_send_the_request_and_read_usage(server):
+    cloud = make(server)
+    reply = cloud.complete(HELLO, max_tokens=20, temperature=0)
+    assert reply.text == "Hello from the cloud model." and reply.finish_reason == "stop"
+    assert reply.usage.completion_tokens == 5 and not reply.usage.estimated
+    stream = cloud.stream(HELLO, max_tokens=3)
+    assert list(stream) == ["Hello ", "from ", "the "]
+    assert stream.finish_reason == "length" and stream.usage.completion_tokens == 3
+    sent = server.requests[0]
+    assert sent.authorization == f"Bearer {KEY}"
+    assert sent.body["model"] == "big-model" and sent.body["messages"] == HELLO and sent.body["max_tokens"] == 20
+    assert server.requests[1].body["stream"] is True
+
+
+def test_url_model_and_key_come_from_the_environment(server, monkeypatch):
+    monkeypatch.setenv("EDGEINFER_CLOUD_URL", server.url.removesuffix("/v1"))  # /v1 is added
+    monkeypatch.setenv("EDGEINFER_CLOUD_MODEL", "env-model")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    cloud = CloudModel()
+    assert cloud.url == server.url + "/chat/completions" and cloud.model == "env-model"
+    assert cloud.complete(HELLO).text.startswith("Hello")
+    assert server.requests[-1].authorization == f"Bearer {KEY}"
+    monkeypatch.delenv("EDGEINFER_CLOUD_URL")
+    with pytest.raises(InvalidOptionError, match="EDGEINFER_CLOUD_URL"):
+        CloudModel()
+
+
+def test_429_waits_for_retry_after_then_succeeds(server):
+    server.fail("status", status=429, retry_after=0.4)
+    start = time.monotonic()
+    assert make(server).complete(HELLO).text.startswith("Hello")
+    assert time.monotonic() - start >= 0.4 and len(server.requests) == 2
+
+
+def test_a_retry_after_beyond_the_bound_fails_at_once_and_opens_the_circuit(server):
+    server.fail("status", status=429, retry_after=120)
+    cloud = make(server, max_retry_after_s=5)
+    start = time.monotonic()
+    with pytest.raises(CloudError) as info:
+        cloud.complete(HELLO)
+    assert info.value.kind == "rate_limited" and time.monotonic() - start < 1
+    assert cloud.breaker.state == "open" and cloud.breaker.cooldown_left_s > 100
+    with pytest.raises(CloudError, match="cooling down"):
+        cloud.complete(HELLO)
+    assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 408, 409])
+def test_server_errors_are_retried_with_backoff(server, status):
+    server.fail("status", status=status, times=2)
+    start = time.monotonic()
+    assert make(server, backoff_s=0.1).complete(HELLO).text.startswith("Hello")
+    # Two jittered waits of at least half of 0.1 and 0.2 s.
+    assert len(server.requests) == 3 and time.monotonic() - start >= 0.15
+
+
+def test_retries_run_out(server):
+    server.fail("status", status=500, times=5)
+    with pytest.raises(CloudError) as info:
+        make(server, max_retries=2).complete(HELLO)
+    assert info.value.kind == "server" and info.value.status == 500 and len(server.requests) == 3
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [(400, None, "bad_request"), (401, None, "auth"), (403, None, "auth"), (429, "insufficient_quota", "quota")],
+)
+def test_client_errors_and_quota_are_not_retried(server, status, code, kind):
+    server.fail("status", status=status, code=code)
+    with pytest.raises(CloudError) as info:
+        make(server).complete(HELLO)
+    assert info.value.kind == kind and info.value.status == status and len(server.requests) == 1
+
+
+def test_a_slow_server_times_out_and_the_retry_succeeds(server):
+    server.fail("delay", seconds=1.0)
+    assert make(server).stream(HELLO).__next__() == "Hello "
+    assert len(server.requests) == 2
+
+
+def test_the_total_timeout_bounds_the_whole_call(server):
+    server.fail("delay", seconds=1.0, times=10)
+    start = time.monotonic()
+    with pytest.raises(CloudError) as info:
+        make(server, max_retries=10, total_timeout=0.8).complete(HELLO)
+    assert info.value.kind == "timeout" and time.monotonic() - start < 1.3
+
+
+def test_a_stream_cut_before_its_first_text_is_retried_without_repeats(server):
+    server.fail("drop", after=0)
+    assert "".join(make(server).stream(HELLO)) == "Hello from the cloud model."
+    assert len(server.requests) == 2
+
+
+def test_a_stream_cut_after_some_text_raises_and_keeps_what_was_sent(server):
+    server.fail("drop", after=2)
+    pieces = []
+    with pytest.raises(CloudError) as info:
+        for piece in make(server).stream(HELLO):
+            pieces.append(piece)
+    assert info.value.kind == "connection" and pieces == ["Hello ", "from "] and len(server.requests) == 1
+
+
+@pytest.mark.parametrize(("fault", "kind"), [("malformed", "protocol"), ("error_event", "server")])
+def test_broken_streams_are_errors(server, fault, kind):
+    server.fail(fault, after=1)
+    with pytest.raises(CloudError) as info:
+        list(make(server).stream(HELLO))
+    assert info.value.kind == kind
+
+
+def test_invalid_json_is_a_protocol_error_and_not_retried(server):
+    server.fail("invalid_json")
+    with pytest.raises(CloudError, match="not valid JSON") as info:
+        make(server).complete(HELLO)
+    assert info.value.kind == "protocol" and len(server.requests) == 1
+
+
+def test_the_breaker_opens_after_failures_and_closes_after_a_good_trial(server):
+    cloud = make(server, max_retries=0, breaker_failures=2, breaker_cooldown_s=0.3)
+    server.fail("status", status=500, times=2)
+    for _ in range(2):
+        with pytest.raises(CloudError):
+            cloud.complete(HELLO)
+    assert cloud.breaker.state == "open"
+    with pytest.raises(CloudError) as info:
+        cloud.complete(HELLO)
+    assert info.value.kind == "circuit_open" and len(server.requests) == 2  # refused without a request
+    time.sleep(0.35)
+    assert cloud.breaker.state == "half_open"
+    assert cloud.complete(HELLO).text.startswith("Hello")
+    assert cloud.breaker.state == "closed"
+
+
+def test_a_failed_trial_reopens_the_breaker(server):
+    cloud = make(server, max_retries=0, breaker_failures=1, breaker_cooldown_s=0.2)
+    server.fail("status", status=503, times=2)
+    with pytest.raises(CloudError):
+        cloud.complete(HELLO)
+    time.sleep(0.25)
+    with pytest.raises(CloudError):
+        cloud.complete(HELLO)
+    assert cloud.breaker.state == "open"
+
+
+def test_the_api_key_is_never_shown(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    cloud = make(server)
+    assert KEY not in repr(cloud) and KEY not in str(vars(cloud).get("url"))
+    server.fail("status", status=401, echo_auth=True)  # a server that echoes the header back
+    with pytest.raises(CloudError) as info:
+        cloud.complete(HELLO)
+    assert "[redacted]" in str(info.value) and KEY not in str(info.value)
+    assert KEY not in caplog.text
+
+
+def test_abort_from_another_thread_cuts_the_connection(server):
+    server.fail("slow", seconds=0.3)
+    stream = make(server, read_timeout=5).stream(HELLO)
+    assert next(stream) == "Hello "
+    threading.Timer(0.1, stream.abort).start()
+    start = time.monotonic()
+    with pytest.raises(CloudError) as info:
+        list(stream)
+    assert info.value.kind == "cancelled" and time.monotonic() - start < 0.3
+    deadline = time.monotonic() + 2
+    while server.hangups == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.hangups == 1  # the server noticed and stopped sending
+
+
+def test_a_server_that_ignores_stream_is_read_as_one_answer(server):
+    server.ignore_stream = True  # answers plain JSON even when events were asked for
+    stream = make(server).stream(HELLO)
+    assert list(stream) == ["Hello from the cloud model."]
+    assert stream.finish_reason == "stop" and stream.usage.completion_tokens == 5
+    server.fail("invalid_json")
+    with pytest.raises(CloudError, match="not valid JSON"):
+        list(make(server).stream(HELLO))

@@ -1,0 +1,427 @@
+"""The router: the real local model on one side, a real fault-injecting OpenAI server on the other."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from edgeinfer import Budget, CloudError, CloudModel, ContextFull, Engine, Policy, PrivacyRule, Router
+from edgeinfer.calibration import apgr, auroc, is_correct, share_to_recover, threshold_for_share
+from edgeinfer.cli import cli
+from edgeinfer.privacy import PrivacyRules
+from edgeinfer.router import assess
+from edgeinfer.signals import WEIGHTS, task_signals
+
+from openai_server import OpenAIServer
+from support import FRANCE, SYSTEM
+
+CLOUD_ANSWER = "The cloud says the capital of France is Paris, on the Seine."
+KEY = "sk-router-test-0123456789abcdef"
+PARIS = dict(temperature=0, max_tokens=24)
+SHORT = dict(temperature=0, max_tokens=4)  # where only the route matters
+
+
+@pytest.fixture
+def server():
+    with OpenAIServer(default_answer=CLOUD_ANSWER) as s:
+        yield s
+
+
+@pytest.fixture
+def make_router(engine, server):
+    def make(policy="cloud", *, local=None, **cloud_options):
+        options = dict(api_key=KEY, read_timeout=0.3, connect_timeout=0.3, backoff_s=0.02, max_retries=1)
+        cloud = CloudModel(server.url, "oracle", **{**options, **cloud_options})
+        return Router(local=local or engine, cloud=cloud, policy=policy)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def local_paris(engine):
+    """What the local model says on its own, to compare routed local answers against."""
+    return engine.chat(FRANCE, **PARIS).text
+
+
+def streamed(stream):
+    chunks = list(stream)
+    assert "".join(chunks) == stream.result.text  # nothing shown twice, nothing lost
+    return chunks, stream.result
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+def test_local_policy_never_calls_the_cloud(make_router, server, local_paris):
+    result = make_router("local").chat(FRANCE, **PARIS)
+    assert result.route == "local" and result.reason == "policy: local" and not result.degraded
+    assert result.text == local_paris and "Paris" in result.text
+    assert result.local_usage.completion_tokens == len(result.tokens) > 0 and result.cloud_cost == 0
+    assert server.requests == []
+
+
+def test_cloud_policy_streams_the_cloud_answer_with_usage_cost_and_timings(make_router, server):
+    router = make_router("cloud", price_per_1k_input=1.0, price_per_1k_output=2.0)
+    chunks, result = streamed(router.stream(FRANCE, **PARIS))
+    assert result.text == CLOUD_ANSWER and len(chunks) > 5
+    assert (result.route, result.backend, result.model, result.finish_reason) == ("cloud", "cloud", "oracle-1", "stop")
+    usage = result.cloud_usage
+    assert usage.completion_tokens == len(chunks) and usage.prompt_tokens > 0 and not usage.estimated
+    assert result.cloud_cost == pytest.approx((usage.prompt_tokens + 2 * usage.completion_tokens) / 1000)
+    assert 0 < result.metrics.ttft_s <= result.metrics.total_s
+    assert server.requests[0].body["messages"] == FRANCE and server.requests[0].body["max_tokens"] == 24
+    assert result.to_dict()["reason"] == "policy: cloud"
+
+
+def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(make_router, server, local_paris):
+    router = make_router(Policy("auto", threshold=0.9, probe_tokens=4))
+    chunks, result = streamed(router.stream(FRANCE, **PARIS))
+    assert result.route == "local" and result.text == local_paris and server.requests == []
+    assert set(result.signals) >= {"length", "arithmetic", "code", "language", "perplexity", "uncertainty"}
+    assert 0 < result.signals["perplexity"] < 1 and result.score < 0.9
+    assert "after 4 local tokens" in result.reason
+
+
+def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, server):
+    router = make_router(Policy("auto", threshold=0.5))
+    result = router.chat([{"role": "user", "content": "What is 4738 * 2913 - 18457?"}], **PARIS)
+    assert result.route == "cloud" and result.text == CLOUD_ANSWER
+    assert "arithmetic 1.00" in result.reason and "uncertainty" not in result.signals
+    assert result.local_usage.completion_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def unsure(engine):
+    """A policy that lets FRANCE through before generating but escalates it after a 6-token probe."""
+    probe = assess(engine, FRANCE, policy=Policy(probe_tokens=6), **PARIS)
+    assert probe.signals["uncertainty"] > 0
+    before = probe.score - WEIGHTS["uncertainty"] * probe.signals["uncertainty"]
+    return Policy("auto", threshold=(before + probe.score) / 2, probe_tokens=6)
+
+
+def test_auto_escalates_on_low_confidence_and_the_caller_sees_only_the_cloud(make_router, server, engine, unsure):
+    chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
+    assert result.route == "cloud" and result.text == CLOUD_ANSWER and not result.degraded
+    assert "after 6 local tokens" in result.reason
+    assert result.local_usage.completion_tokens == 6
+    assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1  # the probe let go of the engine
+
+
+def test_an_escalated_probe_resumes_locally_when_the_cloud_fails(make_router, server, local_paris, unsure):
+    server.fail("status", status=503, times=2)
+    chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
+    assert result.route == "local" and result.degraded and result.text == local_paris  # the held tokens too
+    assert "after 6 local tokens" in result.reason and "the cloud failed (server" in result.reason
+
+
+def test_routed_length_escalation(make_router, server):
+    long = [{"role": "user", "content": "Summarise this: " + "the cat sat on the mat. " * 400}]
+    result = make_router("auto").chat(long, max_tokens=16)
+    assert result.route == "cloud" and "KV capacity" in result.reason and result.signals["length"] == 1.0
+
+
+# -- privacy -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("secret", "rule"),
+    [
+        ("Mail jane.doe@example.com about it.", "email address"),
+        ("Call me on +44 20 7946 0958.", "phone number"),
+        ("My key is sk-abcdefghijklmnopqrstuvwx.", "API key or token"),
+        ("Card 4111 1111 1111 1111, exp 12/29.", "card number"),
+    ],
+)
+def test_private_prompts_stay_on_the_device_whatever_the_policy(make_router, server, secret, rule):
+    result = make_router("cloud").chat([{"role": "user", "content": secret}], **SHORT)
+    assert result.route == "local" and rule in result.reason and server.requests == []
+
+
+def test_user_privacy_patterns_and_no_false_alarm_on_sums(engine, server):
+    router = Router(engine, CloudModel(server.url, "oracle"), policy="cloud", privacy=[r"(?i)project falcon"])
+    result = router.chat([{"role": "user", "content": "Status of Project Falcon?"}], **SHORT)
+    assert result.route == "local" and "project falcon" in result.reason and server.requests == []
+    badge = PrivacyRule("badge number", re.compile(r"B-\d{6}"))
+    named = Router(engine, CloudModel(server.url, "oracle"), policy="cloud", privacy=[badge])
+    assert "badge number" in named.chat("Badge B-123456 please", **SHORT).reason
+    # Long numbers in arithmetic are neither phone nor card numbers.
+    assert router.chat("What is 12345678 * 87654321?", **SHORT).route == "cloud"
+
+
+# -- cloud failures: the local answer, marked degraded -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "options", "kind"),
+    [
+        ("delay", dict(seconds=1.0, times=2), "timeout"),
+        ("status", dict(status=500, times=2), "server"),
+        ("status", dict(status=401), "auth"),
+        ("status", dict(status=429, retry_after=60), "rate_limited"),
+        ("malformed", dict(after=0), "protocol"),
+        ("error_event", dict(after=0, times=2), "server"),
+    ],
+)
+def test_a_failing_cloud_means_a_degraded_local_answer(make_router, server, local_paris, fault, options, kind):
+    server.fail(fault, **options)
+    chunks, result = streamed(make_router("cloud").stream(FRANCE, **PARIS))
+    assert result.route == "local" and result.degraded and result.text == local_paris
+    assert f"the cloud failed ({kind}" in result.reason and KEY not in result.reason
+
+
+@pytest.mark.parametrize("call", ["chat", "stream"])
+def test_invalid_json_from_the_cloud_means_a_degraded_local_answer(make_router, server, local_paris, call):
+    server.fail("invalid_json")
+    router = make_router("cloud")
+    result = router.chat(FRANCE, **PARIS) if call == "chat" else streamed(router.stream(FRANCE, **PARIS))[1]
+    assert result.route == "local" and result.degraded and result.text == local_paris
+    assert "protocol" in result.reason
+
+
+def test_a_short_retry_after_is_waited_out_and_the_cloud_answers(make_router, server):
+    server.fail("status", status=429, retry_after=0.2)
+    result = make_router("cloud").chat(FRANCE, **PARIS)
+    assert result.route == "cloud" and not result.degraded and len(server.requests) == 2
+
+
+@pytest.mark.parametrize("fault", ["drop", "malformed", "error_event"])
+def test_a_cloud_stream_broken_mid_answer_is_finished_locally_without_repeats(make_router, server, fault):
+    server.fail(fault, after=3)
+    chunks, result = streamed(make_router("cloud").stream(FRANCE, **PARIS))
+    cloud_part = " ".join(CLOUD_ANSWER.split(" ")[:3]) + " "
+    assert chunks[:3] == [w + " " for w in CLOUD_ANSWER.split(" ")[:3]]
+    assert result.text.startswith(cloud_part) and len(result.text) > len(cloud_part)
+    assert result.route == "local" and result.degraded and "mid-answer" in result.reason
+
+
+def test_an_open_breaker_keeps_calls_local_without_requests(make_router, server):
+    router = make_router("cloud", max_retries=0, breaker_failures=1, breaker_cooldown_s=60)
+    server.fail("status", status=500)
+    assert router.chat(FRANCE, **SHORT).degraded
+    result = router.chat(FRANCE, **SHORT)
+    assert result.route == "local" and "cooling down" in result.reason and len(server.requests) == 1
+
+
+# -- local failures: the cloud ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(model_path):
+    with Engine(model_path, kv_budget="48tok", kv_policy="error", threads=2) as e:
+        yield e
+
+
+def test_a_local_context_full_goes_to_the_cloud(make_router, server, tiny_engine):
+    router = make_router("local", local=tiny_engine)
+    result = router.chat([{"role": "user", "content": "Tell me about " + "big cities, " * 30}], **PARIS)
+    assert result.route == "cloud" and result.degraded and "ContextFull" in result.reason
+    assert result.text == CLOUD_ANSWER
+
+
+def test_a_local_failure_mid_answer_is_continued_by_the_cloud(make_router, server, tiny_engine):
+    router = make_router("local", local=tiny_engine)
+    count = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "Count to one hundred."}]
+    chunks, result = streamed(router.stream(count, max_tokens=200, ignore_eos=True, temperature=0))
+    shown_locally = server.requests[0].body["messages"][-1]
+    assert shown_locally["role"] == "assistant" and len(shown_locally["content"]) > 0
+    assert result.text == shown_locally["content"] + " and that is all."
+    assert result.route == "cloud" and result.degraded
+
+
+def test_a_private_prompt_is_never_sent_even_when_local_fails(make_router, server, tiny_engine):
+    router = make_router("cloud", local=tiny_engine)
+    with pytest.raises(ContextFull):
+        router.chat([{"role": "user", "content": "jane@example.com " + "hello " * 60}], **PARIS)
+    assert server.requests == []
+
+
+# -- budget ------------------------------------------------------------------------------------
+
+
+def test_the_budget_caps_cloud_requests_and_tokens(engine, server):
+    cloud = CloudModel(server.url, "oracle")
+    by_requests = Router(engine, cloud, policy="cloud", budget=Budget(max_requests=1, window_s=60))
+    assert by_requests.chat(FRANCE, **SHORT).route == "cloud"
+    second = by_requests.chat(FRANCE, **SHORT)
+    assert second.route == "local" and "budget of 1 requests" in second.reason
+    by_tokens = Router(engine, cloud, policy="cloud", budget=Budget(max_tokens=5, window_s=0.5))
+    assert by_tokens.chat(FRANCE, **SHORT).route == "cloud"
+    assert "budget of 5 tokens" in by_tokens.chat(FRANCE, **SHORT).reason
+    time.sleep(0.55)  # the window slides on
+    assert by_tokens.chat(FRANCE, **SHORT).route == "cloud"
+
+
+# -- cancelling --------------------------------------------------------------------------------
+
+
+def test_cancelling_a_cloud_stream_stops_the_server(make_router, server):
+    server.fail("slow", seconds=0.2)
+    stream = make_router("cloud", read_timeout=5).stream(FRANCE, **PARIS)
+    next(stream)
+    threading.Timer(0.05, stream.cancel).start()
+    rest = list(stream)
+    assert stream.result.finish_reason == "cancelled" and len(rest) < 3
+    deadline = time.monotonic() + 2
+    while server.hangups == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.hangups == 1
+
+
+def test_cancelling_a_local_stream_stops_the_engine(make_router, engine):
+    stream = make_router("local").stream("Tell me a long story.", max_tokens=200, ignore_eos=True)
+    next(stream)
+    stream.cancel()
+    list(stream)
+    assert stream.result.finish_reason == "cancelled" and len(stream.result.tokens) < 200
+    assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1
+
+
+async def test_async_twins_and_cancelling_the_task(make_router, server, local_paris):
+    router = make_router("local")
+    assert (await router.achat(FRANCE, **PARIS)).text == local_paris
+    pieces = [p async for p in router.astream(FRANCE, **PARIS)]
+    assert "".join(pieces) == local_paris
+    server.fail("slow", seconds=0.3)
+    task = asyncio.create_task(make_router("cloud", read_timeout=5).achat(FRANCE, **PARIS))
+    await asyncio.sleep(0.4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 2
+    while server.hangups == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert server.hangups == 1
+
+
+def test_bad_arguments_are_one_line_errors(make_router):
+    router = make_router("cloud")
+    with pytest.raises(Exception, match="unknown sampling option temprature"):
+        router.chat(FRANCE, temprature=0)
+    with pytest.raises(Exception, match="unknown routing policy"):
+        Policy("sometimes")
+    with pytest.raises(Exception, match="not a valid regular expression"):
+        Router(router.local, router.cloud, privacy=["("])
+    assert isinstance(CloudError("x", "timeout"), Exception)
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+RUN = ["run", "What is the capital of France?", "--system", SYSTEM, "--temperature", "0", "--max-tokens", "24"]
+RUN += ["--threads", "2", "--kv-budget", "512tok"]
+
+
+def test_cli_routes_to_the_cloud_and_says_why(server, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    result = CliRunner().invoke(
+        cli, [*RUN, "--route", "cloud", "--cloud-url", server.url, "--cloud-model", "m", "--stats"]
+    )
+    assert result.exit_code == 0, result.output
+    assert CLOUD_ANSWER in result.stdout
+    assert (
+        "route: cloud" in result.stderr
+        and "reason: policy: cloud" in result.stderr
+        and "estimated cost" in result.stderr
+    )
+    assert server.requests[0].authorization == f"Bearer {KEY}" and server.requests[0].body["model"] == "m"
+
+
+def test_cli_takes_the_cloud_from_the_environment_and_degrades_quietly(server, monkeypatch):
+    monkeypatch.setenv("EDGEINFER_CLOUD_URL", server.url)
+    monkeypatch.setenv("EDGEINFER_CLOUD_MODEL", "env-model")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    server.fail("status", status=401, echo_auth=True)
+    result = CliRunner().invoke(cli, [*RUN, "--route", "cloud", "--json", "--stats"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["route"] == "local" and payload["degraded"] and "auth" in payload["reason"]
+    assert "Paris" in payload["text"] and "route: local (degraded)" in result.stderr
+    assert KEY not in result.output and server.requests[0].body["model"] == "env-model"
+
+
+def test_cli_auto_without_a_cloud_url_is_a_one_line_error(monkeypatch):
+    monkeypatch.delenv("EDGEINFER_CLOUD_URL", raising=False)
+    result = CliRunner().invoke(cli, [*RUN, "--route", "auto"])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "--cloud-url" in result.stderr
+
+
+def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
+    questions = tmp_path / "q.jsonl"
+    rows = [
+        ("What is the capital of France?", "Paris"),
+        ("What is 4738 * 2913?", "13801794"),
+        ("¿Cuántos días tiene una semana?", "siete"),
+        ("What is the opposite of hot?", "cold"),
+    ]
+    questions.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in rows))
+    args = ["router", "calibrate", "--questions", str(questions), "--cloud-share", "0.5", "--threads", "2"]
+    result = CliRunner().invoke(cli, [*args, "--system", SYSTEM, "--max-tokens", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["questions"] == 4 and report["cloud_share"] == 0.5 and report["threshold"] > 0
+    questions.write_text('{"question": "no answers"}\n')
+    bad = CliRunner().invoke(cli, args)
+    assert bad.exit_code == 1 and "q.jsonl:1" in bad.stderr and "answers" in bad.stderr
+
+
+# -- the pieces: confidence from the engine, task features, privacy rules, quality math -----------
+
+
+def test_engine_log_probs_match_a_fresh_full_evaluation(engine):
+    engine.reset()
+    result = engine.chat(FRANCE, **PARIS)
+    assert len(result.logprobs) == len(result.tokens) and all(lp <= 0 for lp in result.logprobs)
+    scored = engine.prompt_logprobs(FRANCE, start=5)
+    tokens = engine.tokenize(FRANCE)
+    assert len(scored) == len(tokens) - 5
+    engine.reset()
+    rows = engine.backend.eval(tokens, 0, all_logits=True).astype(np.float64)
+    engine.reset()
+    reference = [rows[i - 1][tokens[i]] - np.log(np.exp(rows[i - 1]).sum()) for i in range(5, len(tokens))]
+    assert np.allclose(engine.prompt_logprobs(FRANCE, start=5), reference, atol=1e-3)
+    # The scored prompt stays cached: the answer after it evaluates only the last prompt token.
+    assert engine.chat(FRANCE, **PARIS).metrics.cached_tokens == len(tokens) - 1
+
+
+@pytest.mark.parametrize(
+    ("text", "signal", "low", "high"),
+    [
+        ("What is 4738 * 2913?", "arithmetic", 1.0, 1.0),
+        ("What is 2 + 2?", "arithmetic", 0.2, 0.3),
+        ("What is the capital of France?", "arithmetic", 0.0, 0.0),
+        ("Tom has 3 apples and buys twice as many. How many are left?", "reasoning", 0.5, 1.0),
+        ("What does list(range(3)) return in Python?", "code", 1.0, 1.0),
+        ("¿Cuál es la capital de España?", "language", 0.9, 1.0),
+        ("日本の首都はどこですか？", "language", 1.0, 1.0),
+        ("Translate 'thank you' into German.", "language", 0.6, 0.6),
+        ("What is the capital of France?", "language", 0.0, 0.0),
+    ],
+)
+def test_task_signals(text, signal, low, high):
+    assert low <= task_signals(text)[signal] <= high
+
+
+def test_privacy_rules_spare_ordinary_numbers():
+    rules = PrivacyRules()
+    for text in ("In 2024 we sold 1234567 units.", "What is 4111111111111112 / 2?", "Version 1.2.3", "3.14159"):
+        assert rules.first_match(text) is None, text
+    assert rules.first_match("ssn? no: mail a.b@c.io") == "email address"
+    assert rules.first_match("password: hunter2hunter2") == "API key or token"
+
+
+def test_quality_math():
+    correct = [True, True, False, False]
+    perfect, backwards, tied = [0, 0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]
+    assert auroc(perfect, [not c for c in correct]) == 1.0 and auroc(tied, [not c for c in correct]) == 0.5
+    assert apgr(tied, correct) == pytest.approx(0.5) and apgr(backwards, correct) < 0.5 < apgr(perfect, correct)
+    assert share_to_recover(perfect, correct, 1.0) == 0.5
+    assert threshold_for_share([0.1, 0.2, 0.3, 0.4], 0.5) == pytest.approx(0.25)
+    assert is_correct("The answer is 1,786.", ["1786"]) and not is_correct("It is 17865.", ["1786"])
+    assert not is_correct("'abc'.upper() is abc", ["ABC"]) and is_correct("Paris!", ["paris"])
