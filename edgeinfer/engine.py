@@ -471,6 +471,7 @@ class Engine:
                     break
                 t = perf_counter()
                 token = sampler(logits, cached)
+                logprob = float(logits[token]) - _logsumexp(logits)  # the router's confidence signal
                 t_sampled = perf_counter()
                 m.sample_s += t_sampled - t
                 if not output:
@@ -480,7 +481,7 @@ class Engine:
                     break
                 output.append(token)
                 m.token_times_s.append(t_sampled - start)
-                logprobs.append(float(logits[token]) - _logsumexp(logits))
+                logprobs.append(logprob)
                 t = perf_counter()
                 chunk = text.push(tokenizer.piece(token))
                 m.detokenize_s += perf_counter() - t
