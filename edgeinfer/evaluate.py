@@ -163,11 +163,16 @@ def _chunks(engine: Engine, tokens: list[int], ctx: int) -> Iterator[tuple[list[
         yield chunk, targets
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Rows of logits as log-probabilities, in float64."""
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def _scored_logprobs(engine: Engine, chunk: list[int]) -> np.ndarray:
-    """Log-probabilities, in float64, at the scored positions: ctx/2 .. ctx-2."""
-    logits = engine.logits(chunk)[len(chunk) // 2 : -1].astype(np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    """Log-probabilities at the scored positions: ctx/2 .. ctx-2."""
+    return log_softmax(engine.logits(chunk)[len(chunk) // 2 : -1])
 
 
 def _perplexity(nll: np.ndarray) -> tuple[float, float]:

@@ -19,13 +19,8 @@ import argparse
 import numpy as np
 
 from edgeinfer import Engine
+from edgeinfer.evaluate import log_softmax
 from edgeinfer.models.catalog import DEFAULT_MODEL
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def compare(name: str, a: np.ndarray, b: np.ndarray) -> None:
