@@ -334,9 +334,12 @@ def bench(
     groups = [configs] if interleaved else [[c] for c in configs]
 
     roofline = {}
+    bandwidths: dict[int, float] = {}  # by bytes read, measured once for configurations that read the same
     for config in configs:
         per_token = decode_bytes_per_token(infos[config.model], config.backend, prompt_tokens + gen_tokens // 2)
-        roofline[config] = (per_token, read_bandwidth(per_token, threads))
+        if per_token not in bandwidths:
+            bandwidths[per_token] = read_bandwidth(per_token, threads)
+        roofline[config] = (per_token, bandwidths[per_token])
 
     outcomes: list[Outcome] = []
     for group in groups:
