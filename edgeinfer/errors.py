@@ -67,3 +67,8 @@ class CloudError(EdgeInferError):
         self.kind = kind
         self.status = status
         self.retry_after = retry_after
+
+
+class ConversionError(EdgeInferError):
+    """A Hugging Face checkpoint cannot be converted (missing file or shard, unsupported
+    architecture or dtype, a tensor whose shape contradicts config.json)."""
