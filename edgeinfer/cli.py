@@ -557,6 +557,71 @@ def eval_(
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
 
 
+@cli.command()
+@click.argument("hf_dir", type=click.Path(file_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The GGUF file to write.")
+@click.option(
+    "--type",
+    "qtype",
+    type=click.Choice(["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"]),
+    help="One type for every matrix [default: f16 unless a budget is given].",
+)
+@click.option("--target-size", help="Budgeted mixed precision: the whole file's size, e.g. '80MB'.")
+@click.option("--target-bpw", type=click.FloatRange(1, 32), help="Budgeted mixed precision: bits per weight.")
+@click.option(
+    "--calib", type=click.Path(dir_okay=False), help="Calibration text: what the tensors' sensitivity is measured on."
+)
+@click.option(
+    "--sensitivity",
+    type=click.Choice(["activation", "kld"]),
+    default="activation",
+    show_default=True,
+    help="activation: importance-weighted error; kld: also each tensor's measured effect on the output.",
+)
+@click.option("--eval", "eval_text", type=click.Path(dir_okay=False), help="Held-out text: perplexity and KLD.")
+@click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, where it cannot be identified.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@_user_errors
+def convert(
+    hf_dir: str,
+    output: str,
+    qtype: str | None,
+    target_size: str | None,
+    target_bpw: float | None,
+    calib: str | None,
+    sensitivity: str,
+    eval_text: str | None,
+    pre_tokenizer: str | None,
+    as_json: bool,
+) -> None:
+    """Convert a Hugging Face checkpoint folder to GGUF, uniform or within a size budget."""
+    from edgeinfer.converters.convert import convert as run_conversion
+    from edgeinfer.kv import KVBudget
+
+    size = None
+    if target_size is not None:
+        try:
+            parsed: KVBudget | None = KVBudget.parse(target_size)
+        except EdgeInferError:
+            parsed = None
+        if parsed is None or parsed.bytes is None:
+            _fail(f"--target-size {target_size!r} is not a size; give one such as '80MB' or '1.2GB'")
+        size = parsed.bytes if parsed else None
+    report = run_conversion(
+        hf_dir,
+        output,
+        qtype=qtype,
+        target_size=size,
+        target_bpw=target_bpw,
+        calib=calib,
+        sensitivity="kld" if sensitivity == "kld" else "activation",
+        eval_text=eval_text,
+        pre_tokenizer=pre_tokenizer,
+        log=lambda message: click.echo(message, err=True),
+    )
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
+
+
 @cli.command(name="bench")
 @click.argument("models", nargs=-1, metavar="[MODEL]...")
 @click.option(

@@ -1,0 +1,273 @@
+"""Hugging Face checkpoint to GGUF: read, calibrate, choose types, write, report.
+
+    report = convert("SmolLM2-135M/", "smollm2.gguf", target_size=80_000_000, calib="calib.txt")
+    print(report.format())
+
+Uniform conversions (``qtype="q8_0"``) quantize every matrix alike, with an importance matrix
+if calibration text is given. Budgeted ones (``target_size`` or ``target_bpw``) measure each
+matrix's error under every type its rows allow and pick the mix with the least estimated error
+that fits (``converters/plan.py``).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Literal
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from edgeinfer.converters.calibrate import Calibration, calibrate, output_kld
+from edgeinfer.converters.checkpoint import Checkpoint
+from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, candidate_types, estimate_errors, uniform
+from edgeinfer.converters.quantize import dequantize, quantize
+from edgeinfer.converters.vocab import read_vocab
+from edgeinfer.converters.writer import header_bytes, write_gguf, write_vocab_only
+from edgeinfer.errors import ConversionError
+from edgeinfer.evaluate import Report as EvalReport
+
+QType = GGMLQuantizationType
+Sensitivity = Literal["activation", "kld"]
+CALIB_TOKENS = 4096  # enough for a stable importance matrix; the reference pass costs ~1 s per 300 tokens
+CALIB_CTX = 512
+PROBE_TOKENS = 256  # the tokens each tensor's KL divergence is measured on
+
+
+@dataclass
+class ConversionReport:
+    """What was written: every tensor's type and estimated error, the size, and the evaluation."""
+
+    source: str
+    output: str
+    architecture: str
+    tensors: list[Choice]
+    file_bytes: int
+    n_params: int
+    calib_tokens: int
+    sensitivity: str | None
+    seconds: float
+    peak_rss_bytes: int
+    evaluation: EvalReport | None = None
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * sum(t.nbytes for t in self.tensors) / self.n_params
+
+    def type_mix(self) -> dict[str, int]:
+        """Parameters per type."""
+        mix: dict[str, int] = {}
+        for t in self.tensors:
+            mix[t.qtype.name] = mix.get(t.qtype.name, 0) + int(np.prod(t.shape))
+        return dict(sorted(mix.items(), key=lambda kv: -kv[1]))
+
+    def to_dict(self) -> dict[str, Any]:
+        tensors = [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "type": t.qtype.name,
+                "bpw": 8 * t.nbytes / int(np.prod(t.shape)),
+                "error": t.error,
+                "requested": t.requested.name if t.requested else None,
+            }
+            for t in self.tensors
+        ]
+        out = {k: v for k, v in asdict(self).items() if k not in ("tensors", "evaluation")}
+        out.update(tensors=tensors, bits_per_weight=self.bits_per_weight, type_mix=self.type_mix())
+        out["evaluation"] = self.evaluation.to_dict() if self.evaluation else None
+        return out
+
+    def format(self) -> str:
+        width = max(len(t.name) for t in self.tensors)
+        lines = [f"{'tensor':<{width}}  {'shape':>13}  {'type':<12} {'bpw':>6}  est. error"]
+        for t in self.tensors:
+            shape = "×".join(map(str, t.shape))
+            kind = t.qtype.name + (f" (for {t.requested.name})" if t.requested else "")
+            error = "-" if t.error is None or len(t.shape) == 1 else f"{t.error:.3e}"
+            lines.append(f"{t.name:<{width}}  {shape:>13}  {kind:<12} {8 * t.nbytes / np.prod(t.shape):>6.2f}  {error}")
+        fallbacks = sorted({(t.requested.name, t.qtype.name) for t in self.tensors if t.requested})
+        for asked, got in fallbacks:
+            lines.append(f"note: {asked} needs rows of 256; tensors whose rows are not use {got}, as llama.cpp does")
+        mix = ", ".join(f"{name} {n / self.n_params:.0%}" for name, n in self.type_mix().items())
+        lines += [
+            "",
+            f"wrote {self.output}: {self.file_bytes / 1e6:.2f} MB, {self.bits_per_weight:.3f} bits per weight, "
+            f"{self.n_params / 1e6:.1f}M parameters ({mix})",
+            f"took {self.seconds:.1f} s, peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB"
+            + (f"; calibrated on {self.calib_tokens} tokens" if self.calib_tokens else ""),
+        ]
+        if self.evaluation is not None:
+            lines += ["", self.evaluation.format()]
+        return "\n".join(lines)
+
+
+def convert(
+    hf_dir: str | Path,
+    output: str | Path,
+    *,
+    qtype: str | None = None,
+    target_size: int | None = None,
+    target_bpw: float | None = None,
+    calib: str | Path | None = None,
+    sensitivity: Sensitivity = "activation",
+    eval_text: str | Path | None = None,
+    pre_tokenizer: str | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> ConversionReport:
+    """Convert the checkpoint in ``hf_dir`` to the GGUF file ``output`` and report what was written.
+
+    Give either ``qtype`` (one of ``UNIFORM_TYPES``; ``f16`` when nothing is given) or a budget:
+    ``target_size`` in bytes for the whole file, or ``target_bpw`` bits per weight. A budget
+    needs ``calib``, a text file like the model's use. ``eval_text`` measures perplexity and
+    KL divergence against the unquantized model, with llama.cpp.
+    """
+    start = perf_counter()
+    output = Path(output)
+    budget_given = target_size is not None or target_bpw is not None
+    if qtype is not None and budget_given:
+        raise ConversionError("give either --type or a budget (--target-size / --target-bpw), not both")
+    if target_size is not None and target_bpw is not None:
+        raise ConversionError("give --target-size or --target-bpw, not both")
+    if qtype is not None and qtype.lower() not in UNIFORM_TYPES:
+        raise ConversionError(f"unknown type '{qtype}'; choose one of {', '.join(UNIFORM_TYPES)}")
+    if budget_given and calib is None:
+        raise ConversionError(
+            "a budgeted conversion measures which tensors need precision on text: pass --calib TEXT_FILE "
+            "(a few thousand words like the model's use)"
+        )
+    if sensitivity not in ("activation", "kld"):
+        raise ConversionError(f"unknown sensitivity '{sensitivity}'; choose activation or kld")
+    if not output.parent.is_dir():
+        raise ConversionError(f"{output.parent} is not a folder; create it or write the GGUF elsewhere")
+
+    ckpt = Checkpoint(hf_dir)
+    hp = ckpt.hparams
+    vocab = read_vocab(ckpt.folder, hp.n_vocab, pre=pre_tokenizer)
+    shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
+    n_params = sum(int(np.prod(s)) for s in shapes.values())
+
+    calibration: Calibration | None = None
+    if calib is not None:
+        tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output.parent)
+        log(f"calibrating on {min(len(tokens), CALIB_TOKENS)} tokens, one layer at a time")
+        probe = PROBE_TOKENS if budget_given and sensitivity == "kld" else 0
+        calibration = calibrate(ckpt, tokens[:CALIB_TOKENS], min(CALIB_CTX, hp.n_ctx_train), probe, bos)
+    importance = calibration.importance if calibration else {}
+
+    if budget_given:
+        assert calibration is not None
+        if target_size is not None:
+            budget = target_size - header_bytes(ckpt, vocab, output.parent)
+        else:
+            budget = int(float(target_bpw or 0) * n_params / 8)
+        log(f"measuring each tensor's error under {len(candidate_types(256))} types")
+        plan = budgeted(shapes, budget, _error_model(ckpt, calibration, sensitivity, log))
+    else:
+        plan = uniform(shapes, UNIFORM_TYPES[(qtype or "f16").lower()])
+
+    log(f"writing {output}")
+    size = write_gguf(
+        output, ckpt, vocab, {n: c.qtype for n, c in plan.items()}, lambda n, rows, t: quantize(rows, t, importance.get(n))
+    )
+    if target_size is not None and size > target_size:  # the plan accounts for every byte; this guards it
+        raise ConversionError(f"{output} came out at {size} bytes, over the target of {target_size}")
+    report = ConversionReport(
+        source=str(ckpt.folder),
+        output=str(output),
+        architecture=hp.arch.name,
+        tensors=list(plan.values()),
+        file_bytes=size,
+        n_params=n_params,
+        calib_tokens=calibration.n_tokens if calibration else 0,
+        sensitivity=sensitivity if budget_given else None,
+        seconds=perf_counter() - start,
+        peak_rss_bytes=_peak_rss(),
+    )
+    if eval_text is not None:
+        log("evaluating against the unquantized model")
+        report.evaluation = _evaluate(ckpt, vocab, output, _read_text(eval_text, "--eval"))
+    ckpt.close()
+    return report
+
+
+def _error_model(
+    ckpt: Checkpoint, calibration: Calibration, sensitivity: Sensitivity, log: Callable[[str], None]
+) -> Callable[[str, list[QType]], dict[QType, float]]:
+    """Each tensor's estimated error per type: its noise-to-signal ratio, scaled under ``kld`` by
+    the measured output divergence per unit of that ratio."""
+
+    def errors_of(name: str, types: list[QType]) -> dict[QType, float]:
+        weight = ckpt.weight(name)
+        importance = calibration.importance.get(name)
+        errors = estimate_errors(weight, importance, types)
+        if calibration.probe is None:
+            return errors
+        probe_type = types[0]  # the fewest bits: the largest, most measurable effect
+        replaced = dequantize(quantize(weight, probe_type, importance), probe_type).reshape(weight.shape)
+        kld = output_kld(ckpt, calibration.probe, name, replaced)
+        slope = kld / errors[probe_type] if errors[probe_type] > 0 else 0.0
+        log(f"  {name}: KLD {kld:.2e} under {probe_type.name}")
+        return {t: slope * e for t, e in errors.items()}
+
+    return errors_of
+
+
+def _tokenize(ckpt: Checkpoint, vocab: Any, text: str, directory: Path) -> tuple[list[int], int | None]:
+    """The text's tokens as llama.cpp will see them from the converted file, and BOS if it adds one."""
+    from edgeinfer.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".vocab-") as tmp:
+        path = Path(tmp) / "vocab.gguf"
+        write_vocab_only(path, ckpt, vocab)
+        tokenizer = Tokenizer(path)
+        try:
+            tokens = tokenizer.encode(text, add_special=False, parse_special=False)
+            bos = tokenizer.bos_id if tokenizer.add_bos and tokenizer.bos_id >= 0 else None
+        finally:
+            tokenizer.close()
+    if len(tokens) < 64:
+        raise ConversionError(f"the calibration text is {len(tokens)} tokens; give at least a few thousand words")
+    return tokens, bos
+
+
+def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalReport:
+    """Perplexity and KL divergence of ``output`` against the unquantized model, both in llama.cpp."""
+    from edgeinfer.engine import Engine
+    from edgeinfer.evaluate import evaluate
+
+    base_type = QType.F16 if ckpt.source_dtype == "F16" else QType.F32  # exact for F32 and BF16 weights
+    ctx = min(CALIB_CTX, ckpt.hparams.n_ctx_train)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".base-") as tmp:
+        base_path = Path(tmp) / f"base-{base_type.name.lower()}.gguf"
+        types = {name: choice.qtype for name, choice in uniform(dict(_shapes(ckpt)), base_type).items()}
+        write_gguf(base_path, ckpt, vocab, types, lambda name, rows, qtype: quantize(rows, qtype))
+        budget = f"{ctx}tok"
+        with (
+            Engine(output, backend="llamacpp", kv_budget=budget, batch_size=ctx) as engine,
+            Engine(base_path, backend="llamacpp", kv_budget=budget, batch_size=ctx) as base,
+        ):
+            return evaluate(engine, text, ctx=ctx, base=base)
+
+
+def _shapes(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, ckpt.tensors[name].shape) for name in ckpt.names()]
+
+
+def _read_text(path: str | Path, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConversionError(f"{option} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"{option} {path} cannot be read as UTF-8 text ({exc})") from None
+
+
+def _peak_rss() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

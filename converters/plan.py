@@ -1,0 +1,152 @@
+"""Choosing every tensor's type: one type for all matrices, or the mix with the least estimated
+error under a size budget.
+
+A matrix's error under a type is measured, not assumed: quantize it (with the importance
+matrix), dequantize, and weigh each column's squared error by the mean squared activation
+that column multiplies. Relative to the output's own energy, that is the noise-to-signal ratio
+the type adds to the matrix's output. ``--sensitivity kld`` scales each matrix's ratios by a
+measured slope: the model's output KL divergence when that matrix alone is quantized.
+
+The budget is met by Lagrangian relaxation (each tensor minimises ``error + λ · bytes`` for
+the smallest λ that fits), then the bytes left over buy the upgrades with the best error
+saved per byte.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from edgeinfer.converters.quantize import dequantize, quantize, row_type
+from edgeinfer.converters.writer import tensor_bytes
+from edgeinfer.errors import ConversionError
+
+QType = GGMLQuantizationType
+
+UNIFORM_TYPES = {
+    t.name.lower(): t
+    for t in (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0)
+    + (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+}
+# What a budgeted mix chooses from, wherever a type's block fits the rows (K-quants and IQ4_XS
+# need multiples of 256, the rest of 32). F32 is never worth its bytes over F16.
+MIX_TYPES = (
+    QType.Q3_K, QType.IQ4_XS, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+    QType.Q4_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.F16,
+)  # fmt: skip
+# Rows sampled to estimate a large matrix's error: enough for a stable mean, far cheaper than all.
+ERROR_SAMPLE_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Option:
+    qtype: QType
+    nbytes: int  # padded as stored in the file
+    error: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The type a tensor is written in, what it costs, and its estimated error (None: not measured)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: QType
+    nbytes: int
+    error: float | None = None
+    requested: QType | None = None  # the type asked for, where the rows forced a fallback
+
+
+def stored_bytes(shape: tuple[int, ...], qtype: QType) -> int:
+    return GGUFWriter.ggml_pad(tensor_bytes(shape, qtype), 32)
+
+
+def uniform(shapes: Mapping[str, tuple[int, ...]], qtype: QType) -> dict[str, Choice]:
+    """Every matrix in ``qtype`` (or the fallback its rows need, recorded), every vector in F32."""
+    plan = {}
+    for name, shape in shapes.items():
+        chosen = row_type(qtype, shape[-1]) if len(shape) > 1 else QType.F32
+        fallback = qtype if len(shape) > 1 and chosen != qtype else None
+        plan[name] = Choice(name, shape, chosen, stored_bytes(shape, chosen), requested=fallback)
+    return plan
+
+
+def candidate_types(n_cols: int) -> list[QType]:
+    return [t for t in MIX_TYPES if row_type(t, n_cols) == t]
+
+
+def estimate_errors(
+    weight: np.ndarray, importance: np.ndarray | None, types: list[QType], seed: int = 0
+) -> dict[QType, float]:
+    """Each type's importance-weighted squared error on ``weight`` relative to the output energy."""
+    rows = weight
+    if len(weight) > ERROR_SAMPLE_ROWS:
+        picked = np.random.default_rng(seed).choice(len(weight), ERROR_SAMPLE_ROWS, replace=False)
+        rows = weight[np.sort(picked)]
+    column_weight = importance if importance is not None else np.ones(rows.shape[1], np.float32)
+    signal = float(np.einsum("ij,j->", rows.astype(np.float64) ** 2, column_weight)) or 1.0
+    errors = {}
+    for qtype in types:
+        restored = dequantize(quantize(rows, qtype, importance), qtype).reshape(rows.shape)
+        diff = (restored - rows).astype(np.float64)
+        errors[qtype] = float(np.einsum("ij,j->", diff * diff, column_weight)) / signal
+    return errors
+
+
+def allocate(options: Mapping[str, list[Option]], budget: int) -> dict[str, Option]:
+    """The option per tensor with the least total error whose bytes sum to at most ``budget``."""
+    smallest = sum(min(o.nbytes for o in opts) for opts in options.values())
+    if smallest > budget:
+        raise ConversionError(
+            f"the smallest mix of types needs {smallest / 1e6:.2f} MB of tensors, more than the budget's "
+            f"{budget / 1e6:.2f} MB; raise --target-size or --target-bpw"
+        )
+
+    def pick(lam: float) -> dict[str, Option]:
+        return {n: min(opts, key=lambda o: (o.error + lam * o.nbytes, o.nbytes)) for n, opts in options.items()}
+
+    low, high = -60.0, 10.0  # log10 of λ: from "error is all that counts" to "bytes are all that count"
+    for _ in range(80):
+        mid = (low + high) / 2
+        if sum(o.nbytes for o in pick(10**mid).values()) <= budget:
+            high = mid
+        else:
+            low = mid
+    chosen = pick(10**high)
+    left = budget - sum(o.nbytes for o in chosen.values())
+    while True:  # spend what is left on the upgrade that saves the most error per byte
+        best: tuple[float, str, Option] | None = None
+        for name, current in chosen.items():
+            for o in options[name]:
+                extra = o.nbytes - current.nbytes
+                if 0 < extra <= left and o.error < current.error:
+                    gain = (current.error - o.error) / extra
+                    if best is None or gain > best[0]:
+                        best = (gain, name, o)
+        if best is None:
+            return chosen
+        _, name, upgrade = best
+        left -= upgrade.nbytes - chosen[name].nbytes
+        chosen[name] = upgrade
+
+
+def budgeted(
+    shapes: Mapping[str, tuple[int, ...]],
+    budget: int,
+    errors_of: Callable[[str, list[QType]], dict[QType, float]],
+) -> dict[str, Choice]:
+    """The least-error mix within ``budget`` tensor bytes; vectors stay F32."""
+    options: dict[str, list[Option]] = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            options[name] = [Option(QType.F32, stored_bytes(shape, QType.F32), 0.0)]
+            continue
+        types = candidate_types(shape[-1]) or [QType.F16]
+        errors = errors_of(name, types)
+        options[name] = [Option(t, stored_bytes(shape, t), errors[t]) for t in types if math.isfinite(errors[t])]
+    chosen = allocate(options, budget)
+    return {n: Choice(n, shapes[n], o.qtype, o.nbytes, o.error) for n, o in chosen.items()}

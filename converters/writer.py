@@ -1,0 +1,117 @@
+"""Writing the GGUF: metadata as llama.cpp reads it, then tensors streamed one at a time.
+
+The file is written under a temporary name beside the target and renamed into place at the
+end, so an interrupted conversion never leaves a partial GGUF where a model is expected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType
+
+from edgeinfer.converters.checkpoint import Checkpoint
+from edgeinfer.converters.vocab import Vocab
+
+QType = GGMLQuantizationType
+Quantizer = Callable[[str, np.ndarray, QType], np.ndarray]
+"""Turns a tensor (by GGUF name, float32 in numpy order) into the raw bytes of ``qtype``, row by row."""
+
+
+def tensor_bytes(shape: tuple[int, ...], qtype: QType) -> int:
+    """Bytes of a tensor with numpy ``shape`` stored as ``qtype``."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    return n_rows * shape[-1] // block * size
+
+
+def file_type(types: Mapping[str, QType], shapes: Mapping[str, tuple[int, ...]]) -> LlamaFileType:
+    """The ``general.file_type`` to record: the type that holds most of the matrices' weights."""
+    weight: dict[QType, int] = {}
+    for name, qtype in types.items():
+        if len(shapes[name]) > 1:
+            weight[qtype] = weight.get(qtype, 0) + int(np.prod(shapes[name]))
+    main = max(weight, key=weight.__getitem__) if weight else QType.F32
+    return LlamaFileType.ALL_F32 if main == QType.F32 else LlamaFileType[f"MOSTLY_{main.name}"]
+
+
+def new_writer(path: Path, ckpt: Checkpoint, vocab: Vocab, ftype: LlamaFileType) -> GGUFWriter:
+    """A GGUFWriter holding every metadata key llama.cpp needs for the checkpoint's architecture."""
+    hp = ckpt.hparams
+    writer = GGUFWriter(path, hp.arch.gguf_arch)
+    writer.add_name(str(ckpt.config.get("_name_or_path") or ckpt.folder.resolve().name))
+    writer.add_context_length(hp.n_ctx_train)
+    writer.add_embedding_length(hp.n_embd)
+    writer.add_block_count(hp.n_layer)
+    writer.add_feed_forward_length(hp.n_ff)
+    writer.add_head_count(hp.n_head)
+    writer.add_head_count_kv(hp.n_head_kv)
+    writer.add_layer_norm_rms_eps(hp.rms_eps)
+    writer.add_rope_freq_base(hp.rope_base)
+    writer.add_rope_dimension_count(hp.head_dim)
+    if hp.head_dim != hp.n_embd // hp.n_head:
+        writer.add_key_length(hp.head_dim)
+        writer.add_value_length(hp.head_dim)
+    writer.add_vocab_size(hp.n_vocab)
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    vocab.add_to(writer)
+    return writer
+
+
+def header_bytes(ckpt: Checkpoint, vocab: Vocab, directory: Path) -> int:
+    """Bytes before the first tensor: metadata and tensor directory, which do not depend on types."""
+    shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
+    with _temporary(directory / f".header.{os.getpid()}.gguf") as tmp:
+        writer = new_writer(tmp, ckpt, vocab, LlamaFileType.ALL_F32)
+        for name, shape in shapes.items():
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_bytes(shape, QType.F32), QType.F32)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        size = tmp.stat().st_size
+    return GGUFWriter.ggml_pad(size, 32)  # GGUF's default alignment
+
+
+def write_vocab_only(path: Path, ckpt: Checkpoint, vocab: Vocab) -> None:
+    """A GGUF with the metadata and no tensors: enough for llama.cpp to tokenize with."""
+    writer = new_writer(path, ckpt, vocab, LlamaFileType.ALL_F32)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+
+
+def write_gguf(
+    out: Path, ckpt: Checkpoint, vocab: Vocab, types: Mapping[str, QType], quantize: Quantizer
+) -> int:
+    """Write the model with each tensor as ``types`` says, streaming; return the file's size."""
+    shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
+    with _temporary(out.with_name(f".{out.name}.{os.getpid()}.partial")) as tmp:
+        writer = new_writer(tmp, ckpt, vocab, file_type(types, shapes))
+        for name, shape in shapes.items():
+            qtype = types[name]
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_bytes(shape, qtype), qtype)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, shape in shapes.items():
+            data = quantize(name, ckpt.weight(name).reshape(-1, shape[-1]), types[name])
+            writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        writer.close()
+        os.replace(tmp, out)
+    return out.stat().st_size
+
+
+@contextmanager
+def _temporary(path: Path) -> Iterator[Path]:
+    """A path that is removed on the way out unless it was renamed away."""
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
