@@ -26,6 +26,7 @@ from gguf import MODEL_TENSOR
 from gguf.quants import dequantize
 
 from edgeinfer.models.arch import HParams, RopeStyle, tensor_name
+from edgeinfer.models.gguf_file import TensorInfo
 from edgeinfer.models.info import ModelInfo
 
 Weights = Callable[[str], np.ndarray]
@@ -36,13 +37,14 @@ Observer = Callable[[str, np.ndarray], None]
 
 def gguf_weights(info: ModelInfo) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF file, dequantized to float32 by gguf-py."""
-    weights = {}
-    data = np.memmap(info.path, dtype=np.uint8, mode="r")
-    for t in info.tensors:
-        n_rows = int(np.prod(t.shape[1:], dtype=np.int64))
-        raw = data[t.offset : t.offset + t.nbytes].reshape(n_rows, t.nbytes // n_rows)
-        weights[t.name] = dequantize(raw, t.type).reshape(tuple(reversed(t.shape))).astype(np.float32, copy=False)
-    return weights
+    return {t.name: gguf_tensor(info, t) for t in info.tensors}
+
+
+def gguf_tensor(info: ModelInfo, tensor: TensorInfo) -> np.ndarray:
+    """One tensor of a GGUF file, dequantized to float32 by gguf-py, reading no other."""
+    n_rows = int(np.prod(tensor.shape[1:], dtype=np.int64))
+    raw = np.memmap(info.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(n_rows, tensor.nbytes // n_rows))
+    return dequantize(raw, tensor.type).reshape(tuple(reversed(tensor.shape))).astype(np.float32, copy=False)
 
 
 @dataclass
