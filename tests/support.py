@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 # Answers "Paris" greedily with this system prompt; SmolLM2's built-in one makes it ramble.
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 SYSTEM = "You are a helpful assistant."
 FRANCE = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
 
@@ -44,3 +47,12 @@ def rewrite_gguf(src: Path, dst: Path, *, drop: tuple[str, ...] = (), strings: d
 def _gguf_string(text: str) -> bytes:
     data = text.encode()
     return np.uint64(len(data)).tobytes() + data
+
+
+def load_script(name: str) -> ModuleType:
+    """A module from scripts/ (not a package: scripts run on their own)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

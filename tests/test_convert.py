@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from hf_forward import hf_forward
-from tiny_hf import to_bf16_bits, write_safetensors, write_tiny_hf
+from support import load_script
+from tiny_hf import as_stored, write_safetensors, write_tiny_hf
 
 from edgeinfer import Engine
 from edgeinfer.converters.convert import convert
@@ -23,6 +23,7 @@ from edgeinfer.models.info import load_model_info
 
 DATA = Path(__file__).parent / "data"
 CALIB = DATA / "lighthouse.txt"
+hf_forward = load_script("hf_forward").hf_forward
 TOKENS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 31, 200, 11, 90, 45, 6, 150]
 
 
@@ -57,10 +58,9 @@ def test_f32_conversion_equals_hf_forward_pass(tmp_path, arch, options):
 
 
 def test_f16_conversion_is_close_and_bf16_shards_are_read(tmp_path):
-    weights = write_tiny_hf(tmp_path / "hf", dtype="BF16", shards=3)
+    weights = write_tiny_hf(tmp_path / "hf", dtype="bf16", shards=3)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    rounded = {k: (to_bf16_bits(v).astype(np.uint32) << 16).view(np.float32) for k, v in weights.items()}
-    truth = hf_forward(rounded, config, TOKENS)
+    truth = hf_forward(as_stored(weights, "bf16"), config, TOKENS)
     convert(tmp_path / "hf", tmp_path / "f32.gguf", qtype="f32")
     assert relative_error(llamacpp_logits(tmp_path / "f32.gguf", TOKENS), truth) <= 1e-4  # BF16 widens exactly
     convert(tmp_path / "hf", tmp_path / "f16.gguf", qtype="f16")

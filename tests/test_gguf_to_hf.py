@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 from gguf import GGUFValue, GGUFValueType
+from support import load_script
 from tiny_model import write_tiny_gguf
 from tokenizers import Tokenizer
 
@@ -20,14 +19,6 @@ from edgeinfer.tokenizer import Tokenizer as LlamaTokenizer
 
 CHECKOUT = Path(__file__).parents[1]
 SCRIPTS = CHECKOUT / "scripts"
-
-
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 gguf_to_hf = load_script("gguf_to_hf")

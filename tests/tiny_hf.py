@@ -1,5 +1,6 @@
 """Tiny Hugging Face checkpoints built in the test: config.json, random weights in safetensors
-(F32, F16 or BF16, one file or sharded with an index) and a tokenizer trained on the spot.
+(f32, f16 or bf16, one file or sharded with an index, written by scripts/gguf_to_hf.py's
+writer) and a tokenizer trained on the spot.
 
 Weights are random but scaled like a trained model's (unit-variance activations), so logits
 are well spread and a converter bug shows as a large error, not a small one.
@@ -8,38 +9,18 @@ are well spread and a converter bug shows as a large error, not a small one.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from hf_tokenizers import write_byte_level_bpe, write_sentencepiece
+from support import load_script
+
+gguf_to_hf = load_script("gguf_to_hf")
 
 Arch = Literal["llama", "mistral", "qwen2"]
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16}
-
-
-def to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 to bfloat16's 16 bits, rounding to nearest even."""
-    bits = x.astype(np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "F32") -> None:
-    """Write ``tensors`` (float32) in the safetensors format, stored as ``dtype``."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
-    for name, array in tensors.items():
-        data = to_bf16_bits(array) if dtype == "BF16" else array.astype(SAFETENSORS_DTYPES[dtype])
-        blob = np.ascontiguousarray(data).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
 def hf_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -83,7 +64,7 @@ def write_tiny_hf(
     *,
     arch: Arch = "llama",
     tokenizer: Literal["bpe", "spm"] = "bpe",
-    dtype: str = "F32",
+    dtype: str = "f32",
     shards: int = 1,
     n_layer: int = 2,
     hidden: int = 128,
@@ -114,7 +95,7 @@ def write_tiny_hf(
         "rope_theta": 1_000_000.0 if arch == "qwen2" else 10_000.0,
         "tie_word_embeddings": tied,
         "vocab_size": n_vocab,
-        "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype],
+        "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype],
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     weights = hf_weights(config, seed)
@@ -130,6 +111,17 @@ def write_tiny_hf(
         weight_map |= dict.fromkeys(part, file)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return weights
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "f32") -> None:
+    gguf_to_hf.write_safetensors(path, {n: t.shape for n, t in tensors.items()}, dtype, tensors.__getitem__)
+
+
+def as_stored(weights: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """The weights as the checkpoint holds them, widened back to float32."""
+    if dtype == "bf16":
+        return {k: (gguf_to_hf.to_dtype(v, "bf16").astype(np.uint32) << 16).view(np.float32) for k, v in weights.items()}
+    return {k: gguf_to_hf.to_dtype(v, dtype).astype(np.float32) for k, v in weights.items()}
 
 
 def _tokenizer_size(folder: Path) -> int:
