@@ -14,12 +14,13 @@ Two tokenizers, as llama.cpp knows them:
 - ``"llama"``: SentencePiece. ``<unk>``, ``<s>``, ``</s>``, the 256 byte-fallback tokens
   ``<0x00>``...``<0xFF>`` and a few scored pieces (``"▁the"``...).
 
-Both carry a ChatML chat template.
+Both carry a ChatML chat template. ``add_vocab`` replaces them with any vocabulary, e.g. one the
+converter read from a Hugging Face tokenizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -101,6 +102,7 @@ def write_tiny_gguf(
     arch: Literal["llama", "mistral", "qwen2"] = "llama",
     tensor_type: TensorType = "F32",
     tokenizer: TokenizerModel = "gpt2",
+    add_vocab: Callable[[GGUFWriter], int] | None = None,
     seed: int = 0,
     n_layer: int = 2,
     n_embd: int = 128,
@@ -115,16 +117,21 @@ def write_tiny_gguf(
 
     ``tensor_type`` is the type of every matrix; vectors (norms, biases) are always F32,
     as llama.cpp's converter writes them. Quantized types need ``n_embd`` and ``n_ff`` to be
-    multiples of 32. ``tied=False`` adds a separate ``output.weight``. ``metadata`` replaces,
-    adds (a ``GGUFValue``) or drops (``None``) keys last, for tests of malformed files; the
-    tensors still follow the arguments, and the length of a replaced token list.
+    multiples of 32. ``add_vocab(writer)``, if given, writes the tokenizer keys (chat template
+    included) instead of ``tokenizer`` and returns the vocabulary size. ``tied=False`` adds a
+    separate ``output.weight``. ``metadata`` replaces, adds (a ``GGUFValue``) or drops (``None``)
+    keys last, for tests of malformed files; the tensors still follow the arguments, and the
+    length of a replaced token list.
     """
     path = Path(path)
     spec = ARCHITECTURES[arch]
     writer = GGUFWriter(path, spec.gguf_arch)
     writer.add_name(f"tiny-{arch}")
-    n_vocab = (_add_gpt2_vocab if tokenizer == "gpt2" else _add_spm_vocab)(writer)
-    writer.add_chat_template(CHATML)
+    if add_vocab is None:
+        n_vocab = (_add_gpt2_vocab if tokenizer == "gpt2" else _add_spm_vocab)(writer)
+        writer.add_chat_template(CHATML)
+    else:
+        n_vocab = add_vocab(writer)
     hp = HParams(
         arch=spec,
         n_vocab=n_vocab,

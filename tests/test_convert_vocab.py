@@ -1,0 +1,239 @@
+"""The converter's tokenizer half: a Hugging Face tokenizer, written into a GGUF, tokenizes in real
+llama.cpp exactly as the Hugging Face tokenizer does; what llama.cpp cannot reproduce is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sentencepiece
+from gguf import GGUFWriter, TokenType
+from hf_tokenizers import CHATML, CHATML_SPECIALS, write_byte_level_bpe, write_sentencepiece, write_smollm2_from_gguf
+from tiny_model import write_tiny_gguf
+from tokenizers import Tokenizer as HFTokenizer
+
+from edgeinfer.converters.vocab import PRE_TOKENIZERS, Vocab, read_vocab
+from edgeinfer.errors import ConversionError
+from edgeinfer.tokenizer import Tokenizer
+
+ENGLISH = (
+    "The lighthouse keeper's daughter didn't want to leave; she'd rather count 1,234,567 ships than sleep.\n"
+    "Two  spaces, a tab\there,\n\nthen a blank line and   three spaces. WE'LL SEE!"
+)
+CODE = (
+    "def fib(n: int) -> int:\n"
+    '    """Return the n-th Fibonacci number."""\n'
+    "    a, b = 0, 1\n"
+    "    for _ in range(n):\n"
+    "        a, b = b, a + b\n"
+    "    return a\n\n"
+    "print(fib(10))  # 55\n"
+)
+NON_LATIN = "Καλημέρα κόσμε! 你好，世界。今天天气很好。 Здравствуй, мир 🙂🚢 café naïve Ångström"
+CHAT = "<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n"
+SAMPLES = [ENGLISH, CODE, NON_LATIN, CHAT]
+
+
+def _gguf(path: Path, vocab: Vocab, **model: Any) -> Path:
+    """A tiny model whose vocabulary is ``vocab``."""
+
+    def add_vocab(writer: GGUFWriter) -> int:
+        vocab.add_to(writer)
+        return len(vocab.tokens)
+
+    return write_tiny_gguf(path, add_vocab=add_vocab, **model)
+
+
+@pytest.fixture
+def llama_tokenizer():
+    opened: list[Tokenizer] = []
+
+    def load(path: Path) -> Tokenizer:
+        opened.append(Tokenizer(path))
+        return opened[-1]
+
+    yield load
+    for tokenizer in opened:
+        tokenizer.close()
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "smollm", "llama-bpe", "gpt-2"])
+def test_byte_level_bpe_tokenizes_as_hugging_face(tmp_path, llama_tokenizer, pre):
+    write_byte_level_bpe(tmp_path, pre=pre)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    n_vocab = hf.get_vocab_size() + 37  # embeddings often have spare rows
+    vocab = read_vocab(tmp_path, n_vocab)
+    assert vocab.model == "gpt2" and vocab.pre == pre
+    assert vocab.chat_template == CHATML
+
+    llama = llama_tokenizer(_gguf(tmp_path / "model.gguf", vocab, arch="qwen2"))
+    assert llama.n_vocab == n_vocab
+    assert llama.add_bos == (pre == "llama-bpe")
+    for text in SAMPLES:
+        assert llama.encode(text) == hf.encode(text).ids, text
+    for special in CHATML_SPECIALS:
+        assert llama.encode(special, add_special=False) == [hf.token_to_id(special)]
+    assert llama.eos_id == hf.token_to_id("<|im_end|>")
+
+
+def test_sentencepiece_tokenizes_as_sentencepiece(tmp_path, llama_tokenizer):
+    write_sentencepiece(tmp_path, vocab_size=512)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    vocab = read_vocab(tmp_path, 600)
+    assert vocab.model == "llama" and vocab.pre is None and vocab.add_space_prefix is True
+
+    llama = llama_tokenizer(_gguf(tmp_path / "model.gguf", vocab, arch="llama"))
+    assert (llama.n_vocab, llama.bos_id, llama.eos_id, llama.add_bos) == (600, sp.bos_id(), sp.eos_id(), True)
+    for text in (ENGLISH, CODE, NON_LATIN):
+        assert llama.encode(text) == [sp.bos_id(), *sp.encode(text)], text
+    # The ChatML markers were added after SentencePiece's 512 pieces. transformers (legacy mode, as
+    # Llama 2's tokenizer is) encodes the text between them separately, a leading ▁ on each.
+    im_start, im_end = 512, 513
+    expected = [sp.bos_id(), im_start, *sp.encode("user\nHello there!"), im_end, *sp.encode("\n")]
+    assert llama.encode("<|im_start|>user\nHello there!<|im_end|>\n") == expected
+    assert llama.encode("<|im_end|>", add_special=False) == [im_end]
+
+
+def test_every_recognised_pre_tokenizer_loads_in_llama_cpp(tmp_path, llama_tokenizer):
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    for pre in PRE_TOKENIZERS:
+        vocab = read_vocab(tmp_path, 512, pre=pre.name)
+        assert vocab.pre == pre.name
+        assert llama_tokenizer(_gguf(tmp_path / f"{pre.name}.gguf", vocab, arch="qwen2")).encode("hello 123") != []
+
+
+def test_chat_template_from_its_own_file(tmp_path):
+    # transformers 5 saves the template in chat_template.jinja rather than tokenizer_config.json.
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    vocab = read_vocab(tmp_path, 512)
+    assert vocab.chat_template == "{{ messages[0]['content'] }}"
+
+
+def _edit_tokenizer_json(folder: Path, **changes: object) -> None:
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    for key, value in changes.items():
+        if key == "model":
+            data["model"].update(value)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+def test_unknown_pre_tokenizer_is_refused_naming_the_pattern(tmp_path):
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    pattern = r"\p{L}+|\p{N}+|[^\s\p{L}\p{N}]+"
+    _edit_tokenizer_json(
+        tmp_path,
+        pre_tokenizer={
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+    )
+    with pytest.raises(ConversionError) as error:
+        read_vocab(tmp_path, 512)
+    message = str(error.value)
+    assert "not one llama.cpp implements" in message and json.dumps(pattern) in message
+    assert "--pre-tokenizer" in message and "\n" not in message
+    # The user can vouch for one.
+    assert read_vocab(tmp_path, 512, pre="qwen2").pre == "qwen2"
+    with pytest.raises(ConversionError, match="unknown pre-tokenizer 'qwen9'"):
+        read_vocab(tmp_path, 512, pre="qwen9")
+
+
+def test_merge_rule_mismatch_is_refused(tmp_path):
+    # Llama 3's regex but merges applied to whole-token words too: llama.cpp's llama-bpe skips them.
+    write_byte_level_bpe(tmp_path, pre="llama-bpe")
+    _edit_tokenizer_json(tmp_path, model={"ignore_merges": False})
+    vocab = read_vocab(tmp_path, 512)
+    assert vocab.pre == "smaug-bpe"  # the same regex without ignore_merges
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    _edit_tokenizer_json(tmp_path, model={"ignore_merges": True})
+    with pytest.raises(ConversionError, match="splits text like llama.cpp's 'qwen2'.*ignore_merges=true"):
+        read_vocab(tmp_path, 512)
+
+
+def test_normalizers_llama_cpp_cannot_apply_are_refused(tmp_path):
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    _edit_tokenizer_json(tmp_path, normalizer={"type": "Lowercase"})
+    with pytest.raises(ConversionError, match=r"normalizes text with Lowercase\(\)"):
+        read_vocab(tmp_path, 512)
+    # NFC (Qwen2's) changes only text that is not NFC already: converted, with a note.
+    _edit_tokenizer_json(tmp_path, normalizer={"type": "NFC"})
+    assert "NFC" in read_vocab(tmp_path, 512).notes[0]
+
+
+def test_padding_and_too_large_tokenizer(tmp_path):
+    write_byte_level_bpe(tmp_path, pre="smollm", vocab_size=300)
+    vocab = read_vocab(tmp_path, 320)
+    assert len(vocab.tokens) == len(vocab.token_types) == 320
+    assert vocab.tokens[300:] == [f"[PAD{i}]" for i in range(300, 320)]
+    assert set(vocab.token_types[300:]) == {TokenType.UNUSED}
+    with pytest.raises(ConversionError, match="the tokenizer has 300 tokens but the model's embedding has only 299"):
+        read_vocab(tmp_path, 299)
+
+
+def test_special_tokens_from_generation_config(tmp_path):
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    del config["eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [2, 0]}))
+    vocab = read_vocab(tmp_path, 512)
+    assert (vocab.bos_id, vocab.eos_id, vocab.eot_id, vocab.pad_id) == (0, 2, 0, 0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9999}))
+    with pytest.raises(ConversionError, match="generation_config.json gives eos_token_id 9999, outside"):
+        read_vocab(tmp_path, 512)
+
+
+def test_missing_tokenizer_lists_what_was_looked_for(tmp_path):
+    with pytest.raises(ConversionError, match="looked for tokenizer.json .* and tokenizer.model"):
+        read_vocab(tmp_path, 512)
+
+
+def test_sentencepiece_style_tokenizer_json_without_model_is_refused(tmp_path):
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    _edit_tokenizer_json(tmp_path, model={"byte_fallback": True}, pre_tokenizer=None, decoder=None)
+    with pytest.raises(ConversionError, match="add the checkpoint's tokenizer.model"):
+        read_vocab(tmp_path, 512)
+
+
+def test_real_smollm2_vocabulary_converts_to_what_llama_cpp_made(tmp_path, model_path, llama_tokenizer):
+    # SmolLM2's own tokenizer, rebuilt from the GGUF llama.cpp's converter made: converting it again
+    # must give a vocabulary that tokenizes exactly as that GGUF and as Hugging Face's tokenizers do.
+    write_smollm2_from_gguf(tmp_path, model_path)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    vocab = read_vocab(tmp_path, 49152)
+    assert (vocab.pre, vocab.bos_id, vocab.eos_id, vocab.pad_id, vocab.add_bos) == ("smollm", 1, 2, 2, False)
+    original = llama_tokenizer(model_path)
+    converted = llama_tokenizer(
+        write_tiny_gguf(
+            tmp_path / "model.gguf", add_vocab=lambda w: vocab.add_to(w) or 49152, n_embd=64, n_head=1, n_ff=64
+        )
+    )
+    for text in [
+        *SAMPLES,
+        "2024-06-01: 1234567 items at 3.14159 each",
+        "x = [1, 2, 3]\n\tif a >= 10:\n\t\treturn 'ok'",
+    ]:
+        assert converted.encode(text) == original.encode(text) == hf.encode(text).ids, text
+
+
+def test_malformed_tokenizer_files_are_one_line_errors(tmp_path):
+    write_byte_level_bpe(tmp_path, pre="qwen2")
+    _edit_tokenizer_json(tmp_path, added_tokens=[{"id": 3}])
+    with pytest.raises(ConversionError, match="tokenizer files in .* are malformed"):
+        read_vocab(tmp_path, 512)
+    (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ConversionError, match="tokenizer.json is not valid JSON"):
+        read_vocab(tmp_path, 512)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.model").write_bytes(b"\xff\x00 not a protobuf")
+    with pytest.raises(ConversionError, match="tokenizer.model is not a SentencePiece model"):
+        read_vocab(tmp_path, 512)
