@@ -23,7 +23,7 @@ from edgeinfer.models.arch import ARCHITECTURES, Architecture, HParams, expected
 
 SUPPORTED_CLASSES = {cls: arch for arch in ARCHITECTURES.values() for cls in arch.hf_classes}
 # Safetensors dtypes we read, with their numpy storage type; BF16 is widened by hand.
-DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 # Buffers some checkpoints save that are not weights (recomputed from config.json).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 MAX_HEADER = 100 << 20
@@ -68,10 +68,8 @@ class Checkpoint:
         dtype = DTYPES[ref.dtype]
         count = int(np.prod(ref.shape, dtype=np.int64))
         raw = self._maps[ref.file][ref.offset : ref.offset + count * dtype.itemsize].view(dtype).reshape(ref.shape)
-        if ref.dtype == "BF16":
-            array = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            array = raw.astype(np.float32)
+        bf16 = ref.dtype == "BF16"
+        array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32)
         hp = self.hparams
         if hp.arch.permute_qk and name.startswith("blk."):
             if name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias"):
@@ -137,7 +135,9 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
     scaling = config.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        raise ConversionError(f"{where}: RoPE scaling '{kind}' is not supported by the converter; use a model without it")
+        raise ConversionError(
+            f"{where}: RoPE scaling '{kind}' is not supported by the converter; use a model without it"
+        )
     unsupported = [f"hidden_act={config['hidden_act']!r}"] if config.get("hidden_act", "silu") != "silu" else []
     unsupported += [f"{key}=True" for key in ("mlp_bias", "use_sliding_window") if config.get(key)]
     if config.get("attention_bias") and not arch.qkv_bias:
@@ -214,7 +214,9 @@ def read_header(path: Path) -> Iterator[TensorRef]:
             )
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if not 0 <= begin <= end <= size - start or end - begin != count * DTYPES[dtype].itemsize:
-            raise ConversionError(f"{path}: tensor '{name}' lies outside the file or has the wrong size; re-download it")
+            raise ConversionError(
+                f"{path}: tensor '{name}' lies outside the file or has the wrong size; re-download it"
+            )
         yield TensorRef(name, path, dtype, shape, start + begin)
 
 
@@ -226,7 +228,7 @@ def gguf_names(refs: Mapping[str, TensorRef], hp: HParams, folder: Path) -> dict
     output = tensor_name(MODEL_TENSOR.OUTPUT)
     tensors: dict[str, TensorRef] = {}
     for hf_name, ref in refs.items():
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias")) or hf_name
         if name == output and hp.tied_embeddings:
             continue  # a copy of the embeddings some checkpoints save although tied
         if name not in expected:
@@ -243,7 +245,11 @@ def gguf_names(refs: Mapping[str, TensorRef], hp: HParams, folder: Path) -> dict
         tensors[name] = ref
     missing = [n for n in expected if n not in tensors]
     if missing:
-        hint = " (set tie_word_embeddings in config.json if the output shares the embeddings)" if missing == [output] else ""
+        hint = (
+            " (set tie_word_embeddings in config.json if the output shares the embeddings)"
+            if missing == [output]
+            else ""
+        )
         raise ConversionError(
             f"{folder}: the weights lack the tensor GGUF calls '{missing[0]}' ({len(missing)} missing){hint}"
         )

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgeinfer.converters.calibrate import Calibration, calibrate, output_kld
+from edgeinfer.converters.calibrate import Calibration, calibrate, column_importance, output_kld
 from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, candidate_types, estimate_errors, uniform
 from edgeinfer.converters.quantize import dequantize, quantize
@@ -115,7 +115,7 @@ def convert(
     target_size: int | None = None,
     target_bpw: float | None = None,
     calib: str | Path | None = None,
-    sensitivity: Sensitivity = "activation",
+    sensitivity: Sensitivity = "kld",
     eval_text: str | Path | None = None,
     pre_tokenizer: str | None = None,
     log: Callable[[str], None] = lambda message: None,
@@ -155,10 +155,11 @@ def convert(
     calibration: Calibration | None = None
     if calib is not None:
         tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output.parent)
-        log(f"calibrating on {min(len(tokens), CALIB_TOKENS)} tokens, one layer at a time")
+        ctx = min(CALIB_CTX, hp.n_ctx_train)
+        tokens = _spread(tokens, CALIB_TOKENS, ctx - (bos is not None))
+        log(f"calibrating on {len(tokens)} tokens, one layer at a time")
         probe = PROBE_TOKENS if budget_given and sensitivity == "kld" else 0
-        calibration = calibrate(ckpt, tokens[:CALIB_TOKENS], min(CALIB_CTX, hp.n_ctx_train), probe, bos)
-    importance = calibration.importance if calibration else {}
+        calibration = calibrate(ckpt, tokens, ctx, probe, bos)
 
     if budget_given:
         assert calibration is not None
@@ -173,7 +174,11 @@ def convert(
 
     log(f"writing {output}")
     size = write_gguf(
-        output, ckpt, vocab, {n: c.qtype for n, c in plan.items()}, lambda n, rows, t: quantize(rows, t, importance.get(n))
+        output,
+        ckpt,
+        vocab,
+        {n: c.qtype for n, c in plan.items()},
+        lambda n, rows, t: quantize(rows, t, column_importance(calibration, n, rows.shape[1])),
     )
     if target_size is not None and size > target_size:  # the plan accounts for every byte; this guards it
         raise ConversionError(f"{output} came out at {size} bytes, over the target of {target_size}")
@@ -199,12 +204,12 @@ def convert(
 def _error_model(
     ckpt: Checkpoint, calibration: Calibration, sensitivity: Sensitivity, log: Callable[[str], None]
 ) -> Callable[[str, list[QType]], dict[QType, float]]:
-    """Each tensor's estimated error per type: its noise-to-signal ratio, scaled under ``kld`` by
-    the measured output divergence per unit of that ratio."""
+    """Each tensor's estimated error per type: its expected squared output error (``activation``),
+    scaled under ``kld`` by the measured output divergence per unit of that error."""
 
     def errors_of(name: str, types: list[QType]) -> dict[QType, float]:
         weight = ckpt.weight(name)
-        importance = calibration.importance.get(name)
+        importance = column_importance(calibration, name, weight.shape[1])
         errors = estimate_errors(weight, importance, types)
         if calibration.probe is None:
             return errors
@@ -216,6 +221,16 @@ def _error_model(
         return {t: slope * e for t, e in errors.items()}
 
     return errors_of
+
+
+def _spread(tokens: list[int], limit: int, ctx: int) -> list[int]:
+    """At most ``limit`` tokens, as whole chunks of ``ctx`` spread evenly over the text, so a long
+    calibration file is sampled throughout rather than cut after its opening."""
+    if len(tokens) <= limit:
+        return tokens
+    n_chunks = max(1, limit // ctx)
+    starts = np.linspace(0, len(tokens) - ctx, n_chunks).astype(int)
+    return [t for start in starts for t in tokens[start : start + ctx]]
 
 
 def _tokenize(ckpt: Checkpoint, vocab: Any, text: str, directory: Path) -> tuple[list[int], int | None]:

@@ -3,9 +3,9 @@ error under a size budget.
 
 A matrix's error under a type is measured, not assumed: quantize it (with the importance
 matrix), dequantize, and weigh each column's squared error by the mean squared activation
-that column multiplies. Relative to the output's own energy, that is the noise-to-signal ratio
-the type adds to the matrix's output. ``--sensitivity kld`` scales each matrix's ratios by a
-measured slope: the model's output KL divergence when that matrix alone is quantized.
+that column multiplies: the expected squared error the type adds to the matrix's output.
+``--sensitivity kld`` (the default) scales each matrix's errors by a measured slope: the
+model's output KL divergence when that matrix alone is quantized, per unit of that error.
 
 The budget is met by Lagrangian relaxation (each tensor minimises ``error + λ · bytes`` for
 the smallest λ that fits), then the bytes left over buy the upgrades with the best error
@@ -80,20 +80,20 @@ def candidate_types(n_cols: int) -> list[QType]:
 
 
 def estimate_errors(
-    weight: np.ndarray, importance: np.ndarray | None, types: list[QType], seed: int = 0
+    weight: np.ndarray, importance: np.ndarray, types: list[QType], seed: int = 0
 ) -> dict[QType, float]:
-    """Each type's importance-weighted squared error on ``weight`` relative to the output energy."""
+    """Each type's expected squared output error on ``weight``: column ``j``'s squared weight error
+    times ``importance[j]``, the mean squared input it multiplies, summed (over sampled rows,
+    scaled to all)."""
     rows = weight
     if len(weight) > ERROR_SAMPLE_ROWS:
         picked = np.random.default_rng(seed).choice(len(weight), ERROR_SAMPLE_ROWS, replace=False)
         rows = weight[np.sort(picked)]
-    column_weight = importance if importance is not None else np.ones(rows.shape[1], np.float32)
-    signal = float(np.einsum("ij,j->", rows.astype(np.float64) ** 2, column_weight)) or 1.0
     errors = {}
     for qtype in types:
         restored = dequantize(quantize(rows, qtype, importance), qtype).reshape(rows.shape)
         diff = (restored - rows).astype(np.float64)
-        errors[qtype] = float(np.einsum("ij,j->", diff * diff, column_weight)) / signal
+        errors[qtype] = float(np.einsum("ij,j->", diff * diff, importance)) * len(weight) / len(rows)
     return errors
 
 

@@ -36,7 +36,10 @@ def file_type(types: Mapping[str, QType], shapes: Mapping[str, tuple[int, ...]])
         if len(shapes[name]) > 1:
             weight[qtype] = weight.get(qtype, 0) + int(np.prod(shapes[name]))
     main = max(weight, key=weight.__getitem__) if weight else QType.F32
-    return LlamaFileType.ALL_F32 if main == QType.F32 else LlamaFileType[f"MOSTLY_{main.name}"]
+    if main == QType.F32:
+        return LlamaFileType.ALL_F32
+    names = LlamaFileType.__members__  # K-quants are named by their mixes: MOSTLY_Q4_K_M
+    return names.get(f"MOSTLY_{main.name}") or names.get(f"MOSTLY_{main.name}_M") or LlamaFileType.GUESSED
 
 
 def new_writer(path: Path, ckpt: Checkpoint, vocab: Vocab, ftype: LlamaFileType) -> GGUFWriter:
@@ -87,9 +90,7 @@ def write_vocab_only(path: Path, ckpt: Checkpoint, vocab: Vocab) -> None:
     writer.close()
 
 
-def write_gguf(
-    out: Path, ckpt: Checkpoint, vocab: Vocab, types: Mapping[str, QType], quantize: Quantizer
-) -> int:
+def write_gguf(out: Path, ckpt: Checkpoint, vocab: Vocab, types: Mapping[str, QType], quantize: Quantizer) -> int:
     """Write the model with each tensor as ``types`` says, streaming; return the file's size."""
     shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
     with _temporary(out.with_name(f".{out.name}.{os.getpid()}.partial")) as tmp:

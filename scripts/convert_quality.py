@@ -77,7 +77,12 @@ def run_checkpoint(hf: Path, args: argparse.Namespace) -> list[dict]:
             print(f"{hf.name} {scheme}: converted in {report.seconds:.1f} s, peak RSS "
                   f"{report.peak_rss_bytes / 2**20:.0f} MiB", file=sys.stderr)  # fmt: skip
             for who, path in (("llama.cpp " + scheme, theirs), ("edgeinfer at its size", ours)):
-                row = {"checkpoint": hf.name, "scheme": scheme, "who": who, **score(path, base, text, ctx, args.threads)}
+                row = {
+                    "checkpoint": hf.name,
+                    "scheme": scheme,
+                    "who": who,
+                    **score(path, base, text, ctx, args.threads),
+                }
                 print(json.dumps(row), file=sys.stderr)
                 rows.append(row)
     return rows
@@ -91,13 +96,13 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/convert-quality"))
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sensitivity", choices=("activation", "kld"), default="activation")
+    parser.add_argument("--sensitivity", choices=("activation", "kld"), default="kld")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = [row for hf in args.checkpoints for row in run_checkpoint(hf, args)]
     print("| checkpoint | scheme | file | type mix | MB | bpw | PPL | KLD | top-1 | KLD vs llama.cpp |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for theirs, ours in zip(rows[::2], rows[1::2]):
+    for theirs, ours in zip(rows[::2], rows[1::2], strict=True):
         for row in (theirs, ours):
             ratio = "" if row is theirs else f"{row['kld'] / theirs['kld'] - 1:+.1%}"
             print(

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from support import load_script
 from tiny_hf import as_stored, write_safetensors, write_tiny_hf
 
 from edgeinfer import Engine
 from edgeinfer.converters.convert import convert
 from edgeinfer.errors import ConversionError
 from edgeinfer.models.info import load_model_info
+
+from support import load_script
 
 DATA = Path(__file__).parent / "data"
 CALIB = DATA / "lighthouse.txt"
@@ -96,7 +97,7 @@ def test_budgeted_conversion_fits_its_budget_and_spends_it(tmp_path, wide_hf):
     q8 = convert(wide_hf, tmp_path / "q8.gguf", qtype="q8_0")
     q4 = convert(wide_hf, tmp_path / "q4.gguf", qtype="q4_0")
     target = (q8.file_bytes + q4.file_bytes) // 2
-    report = convert(wide_hf, tmp_path / "mix.gguf", target_size=target, calib=CALIB)
+    report = convert(wide_hf, tmp_path / "mix.gguf", target_size=target, calib=CALIB, sensitivity="activation")
     assert report.file_bytes == (tmp_path / "mix.gguf").stat().st_size <= target
     assert report.file_bytes > q4.file_bytes  # the budget is spent, not left over
     matrices = [t for t in report.tensors if len(t.shape) == 2]
@@ -167,7 +168,9 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
     index = hf / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"]
     write_safetensors(hf / "extra.safetensors", {"model.layers.0.mlp.up_proj.scales": np.zeros(4, np.float32)})
-    index.write_text(json.dumps({"weight_map": {**weight_map, "model.layers.0.mlp.up_proj.scales": "extra.safetensors"}}))
+    index.write_text(
+        json.dumps({"weight_map": {**weight_map, "model.layers.0.mlp.up_proj.scales": "extra.safetensors"}})
+    )
     assert "up_proj.scales" in error()
     header = b'{"x": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}}'
     (hf / "extra.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFValue, GGUFValueType
-from support import load_script
 from tiny_model import write_tiny_gguf
 from tokenizers import Tokenizer
 
 from edgeinfer import Engine
 from edgeinfer.tokenizer import Tokenizer as LlamaTokenizer
+
+from support import load_script
 
 CHECKOUT = Path(__file__).parents[1]
 SCRIPTS = CHECKOUT / "scripts"

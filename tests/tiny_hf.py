@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-
 from hf_tokenizers import write_byte_level_bpe, write_sentencepiece
+
 from support import load_script
 
 gguf_to_hf = load_script("gguf_to_hf")
@@ -120,7 +120,9 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "
 def as_stored(weights: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     """The weights as the checkpoint holds them, widened back to float32."""
     if dtype == "bf16":
-        return {k: (gguf_to_hf.to_dtype(v, "bf16").astype(np.uint32) << 16).view(np.float32) for k, v in weights.items()}
+        return {
+            k: (gguf_to_hf.to_dtype(v, "bf16").astype(np.uint32) << 16).view(np.float32) for k, v in weights.items()
+        }
     return {k: gguf_to_hf.to_dtype(v, dtype).astype(np.float32) for k, v in weights.items()}
 
 
