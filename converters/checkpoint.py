@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint folder, read lazily: ``config.json`` and ``.safetensors`` shards.
 
-Tensors are memory-mapped and converted to float32 one at a time, in the layout GGUF stores
+Tensors are read and converted to float32 one at a time, in the layout GGUF stores
 (llama's Q and K rows permuted for llama.cpp's RoPE), so converting a model holds one tensor,
 not the model, in memory. No torch: safetensors is a JSON header followed by raw little-endian
 arrays, and its own numpy API cannot read BF16, the dtype most checkpoints ship in.
@@ -9,6 +9,7 @@ arrays, and its own numpy API cannot read BF16, the dtype most checkpoints ship 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -52,7 +53,6 @@ class Checkpoint:
         self.hparams = hparams_from_config(self.config, self.arch, self.folder)
         refs = {ref.hf_name: ref for ref in safetensors_refs(self.folder)}
         self.tensors = gguf_names(refs, self.hparams, self.folder)
-        self._maps: dict[Path, np.memmap] = {}
 
     @property
     def source_dtype(self) -> str:
@@ -63,13 +63,11 @@ class Checkpoint:
     def weight(self, name: str) -> np.ndarray:
         """The tensor GGUF calls ``name``, as float32 in GGUF's numpy layout ``(n_out, n_in)``."""
         ref = self.tensors[name]
-        if ref.file not in self._maps:
-            self._maps[ref.file] = np.memmap(ref.file, dtype=np.uint8, mode="r")
         dtype = DTYPES[ref.dtype]
-        count = int(np.prod(ref.shape, dtype=np.int64))
-        raw = self._maps[ref.file][ref.offset : ref.offset + count * dtype.itemsize].view(dtype).reshape(ref.shape)
+        # Read, not memory-mapped: mapped pages would stay resident and count as the process's.
+        raw = np.fromfile(ref.file, dtype=dtype, count=math.prod(ref.shape), offset=ref.offset).reshape(ref.shape)
         bf16 = ref.dtype == "BF16"
-        array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32)
+        array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32, copy=False)
         hp = self.hparams
         if hp.arch.permute_qk and name.startswith("blk."):
             if name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias"):
@@ -82,8 +80,6 @@ class Checkpoint:
         """GGUF tensor names in the order llama.cpp's converter writes them."""
         yield from expected_tensors(self.hparams)
 
-    def close(self) -> None:
-        self._maps.clear()
 
 
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:

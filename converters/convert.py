@@ -149,6 +149,8 @@ def convert(
     ckpt = Checkpoint(hf_dir)
     hp = ckpt.hparams
     vocab = read_vocab(ckpt.folder, hp.n_vocab, pre=pre_tokenizer)
+    for note in vocab.notes:
+        log(f"note: {note}")
     shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
     n_params = sum(int(np.prod(s)) for s in shapes.values())
 
@@ -197,7 +199,6 @@ def convert(
     if eval_text is not None:
         log("evaluating against the unquantized model")
         report.evaluation = _evaluate(ckpt, vocab, output, _read_text(eval_text, "--eval"))
-    ckpt.close()
     return report
 
 

@@ -200,3 +200,26 @@ def test_an_interrupted_conversion_leaves_the_old_file_and_no_partial(tmp_path):
     assert proc.returncode != 0
     assert out.read_bytes() == b"the previous model"
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
+
+
+def test_converted_file_tokenizes_as_the_hf_tokenizer(tmp_path, wide_hf):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from edgeinfer.tokenizer import Tokenizer
+
+    out = tmp_path / "q8.gguf"
+    convert(wide_hf, out, qtype="q8_0")
+    hf = HFTokenizer.from_file(str(wide_hf / "tokenizer.json"))
+    ours = Tokenizer(out)
+    try:
+        for text in (
+            "The keeper lit the lamp at 9:45, didn't she?  Twice.\n\nYes.",
+            "def area(r: float) -> float:\n    return 3.14159 * r ** 2  # TODO\n",
+            "Ο φάρος φωτίζει τη θάλασσα. 灯塔照亮了大海。 🚢⚓",
+        ):
+            assert (
+                ours.encode(text, add_special=False, parse_special=False)
+                == hf.encode(text, add_special_tokens=False).ids
+            )
+    finally:
+        ours.close()
