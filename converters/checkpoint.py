@@ -81,7 +81,6 @@ class Checkpoint:
         yield from expected_tensors(self.hparams)
 
 
-
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Reorder each head's Q or K rows from HF's half-split RoPE pairs (i, i + d/2) to the adjacent
     pairs (2i, 2i + 1) llama.cpp rotates for llama: row ``h*d + 2i + j`` takes HF row ``h*d + j*d/2 + i``."""

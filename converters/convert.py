@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 
 from edgeinfer.converters.calibrate import Calibration, calibrate, column_importance, output_kld
 from edgeinfer.converters.checkpoint import Checkpoint
-from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, candidate_types, estimate_errors, uniform
+from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, estimate_errors, uniform
 from edgeinfer.converters.quantize import dequantize, quantize
 from edgeinfer.converters.vocab import read_vocab
 from edgeinfer.converters.writer import header_bytes, write_gguf, write_vocab_only
@@ -169,7 +169,7 @@ def convert(
             budget = target_size - header_bytes(ckpt, vocab, output.parent)
         else:
             budget = int(float(target_bpw or 0) * n_params / 8)
-        log(f"measuring each tensor's error under {len(candidate_types(256))} types")
+        log("measuring each tensor's error under every type its rows allow")
         plan = budgeted(shapes, budget, _error_model(ckpt, calibration, sensitivity, log))
     else:
         plan = uniform(shapes, UNIFORM_TYPES[(qtype or "f16").lower()])

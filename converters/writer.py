@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 
 from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.vocab import Vocab
+from edgeinfer.models.arch import HParams
 
 QType = GGMLQuantizationType
 Quantizer = Callable[[str, np.ndarray, QType], np.ndarray]
@@ -47,6 +48,16 @@ def new_writer(path: Path, ckpt: Checkpoint, vocab: Vocab, ftype: LlamaFileType)
     hp = ckpt.hparams
     writer = GGUFWriter(path, hp.arch.gguf_arch)
     writer.add_name(str(ckpt.config.get("_name_or_path") or ckpt.folder.resolve().name))
+    add_hparams(writer, hp)
+    writer.add_vocab_size(hp.n_vocab)
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    vocab.add_to(writer)
+    return writer
+
+
+def add_hparams(writer: GGUFWriter, hp: HParams) -> None:
+    """The architecture's hyper-parameter keys, as ``models/arch.py`` reads them back."""
     writer.add_context_length(hp.n_ctx_train)
     writer.add_embedding_length(hp.n_embd)
     writer.add_block_count(hp.n_layer)
@@ -59,11 +70,6 @@ def new_writer(path: Path, ckpt: Checkpoint, vocab: Vocab, ftype: LlamaFileType)
     if hp.head_dim != hp.n_embd // hp.n_head:
         writer.add_key_length(hp.head_dim)
         writer.add_value_length(hp.head_dim)
-    writer.add_vocab_size(hp.n_vocab)
-    writer.add_file_type(ftype)
-    writer.add_quantization_version(GGML_QUANT_VERSION)
-    vocab.add_to(writer)
-    return writer
 
 
 def header_bytes(ckpt: Checkpoint, vocab: Vocab, directory: Path) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue, GGUFWriter, Keys, TokenType
 from gguf.quants import quantize
 
+from edgeinfer.converters.writer import add_hparams
 from edgeinfer.models.arch import ARCHITECTURES, HParams, expected_tensors
 
 TensorType = Literal["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
@@ -146,15 +147,7 @@ def write_tiny_gguf(
         rms_eps=1e-6 if arch == "qwen2" else 1e-5,
         tied_embeddings=tied,
     )
-    writer.add_context_length(hp.n_ctx_train)
-    writer.add_embedding_length(hp.n_embd)
-    writer.add_block_count(hp.n_layer)
-    writer.add_feed_forward_length(hp.n_ff)
-    writer.add_head_count(hp.n_head)
-    writer.add_head_count_kv(hp.n_head_kv)
-    writer.add_rope_dimension_count(hp.head_dim)
-    writer.add_rope_freq_base(hp.rope_base)
-    writer.add_layer_norm_rms_eps(hp.rms_eps)
+    add_hparams(writer, hp)
 
     for key, value in (metadata or {}).items():
         if value is None:
