@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from edgeinfer.converters.quantize import dequantize, quantize, row_type
+from edgeinfer.converters.quantize import available, dequantize, quantize, row_type
 from edgeinfer.converters.writer import tensor_bytes
 from edgeinfer.errors import ConversionError
 
@@ -76,7 +76,8 @@ def uniform(shapes: Mapping[str, tuple[int, ...]], qtype: QType) -> dict[str, Ch
 
 
 def candidate_types(n_cols: int) -> list[QType]:
-    return [t for t in MIX_TYPES if row_type(t, n_cols) == t]
+    """The mix's types whose blocks fit rows of ``n_cols`` and that can be quantized here."""
+    return [t for t in MIX_TYPES if row_type(t, n_cols) == t and available(t)]
 
 
 def estimate_errors(

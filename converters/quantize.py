@@ -114,6 +114,11 @@ def row_type(qtype: GGMLQuantizationType, n_cols: int) -> GGMLQuantizationType:
     return fallback if n_cols % block_size(fallback) == 0 else Q.F16
 
 
+def available(qtype: GGMLQuantizationType) -> bool:
+    """Whether ``quantize`` can produce qtype here: gguf-py's types always, the rest with ggml."""
+    return qtype in NUMPY_TYPES or (qtype in SUPPORTED and _ggml() is not None)
+
+
 def needs_importance(qtype: GGMLQuantizationType) -> bool:
     """Whether ggml refuses to quantize to qtype without an importance matrix."""
     lib = _ggml()
