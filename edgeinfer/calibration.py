@@ -12,6 +12,11 @@ strict towards right answers phrased another way ("seven" for "7" unless both ar
 With a cloud that is always right, sending the share ``s`` of questions with the highest
 escalation scores to it recovers part of the gap between the local accuracy ``a`` and 1;
 a perfect score recovers ``s / (1 - a)``, random routing ``s``.
+
+``fit_weights`` fits the signals' weights to graded answers: a logistic regression of "the local
+answer is wrong" on the signals, with weights kept non-negative (the router relies on a score that
+only grows as signals come in) and an L2 penalty that keeps correlated signals from taking
+extreme, opposite weights on a few hundred questions.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +90,35 @@ def is_correct(reply: str, answers: Sequence[str]) -> bool:
 def _normalize(text: str) -> str:
     text = unicodedata.normalize("NFKC", text)
     return re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+
+
+def fit_weights(
+    signals: Sequence[Mapping[str, float]], wrong: Sequence[bool], names: Sequence[str], l2: float = 0.01
+) -> dict[str, float]:
+    """Non-negative logistic-regression weights of the signals ``names`` for predicting ``wrong``.
+
+    A weight is the log-odds of a wrong answer its signal adds at full strength (1); the intercept
+    is dropped, since only the order of the scores matters to a threshold. A missing signal is 0.
+    """
+    y = np.asarray(wrong, dtype=np.float64)
+    if len(signals) != len(y) or len(y) < 2 or y.min() == y.max():
+        raise InvalidOptionError("fitting weights needs at least one right and one wrong local answer")
+    x = np.array([[row.get(name, 0.0) for name in names] for row in signals], dtype=np.float64)
+    x = np.c_[x, np.ones(len(x))]  # the intercept, neither penalised nor kept non-negative
+    penalty = np.r_[np.full(len(names), 2 * l2), 0.0]
+    # Accelerated projected gradient descent (FISTA) on the mean log loss; convex, so it converges
+    # from zero with the step 1/L, L bounding the gradient's Lipschitz constant.
+    step = 1 / (np.linalg.norm(x, 2) ** 2 / (4 * len(x)) + 2 * l2)
+    w = ahead = np.zeros(x.shape[1])
+    t = 1.0
+    for _ in range(3000):
+        p = 1 / (1 + np.exp(-(x @ ahead)))
+        moved = ahead - step * (x.T @ (p - y) / len(x) + penalty * ahead)
+        moved[:-1] = np.maximum(moved[:-1], 0.0)
+        t_next = (1 + np.sqrt(1 + 4 * t * t)) / 2
+        ahead = moved + (t - 1) / t_next * (moved - w)
+        w, t = moved, t_next
+    return {name: round(float(v), 3) for name, v in zip(names, w[:-1], strict=True)}
 
 
 def threshold_for_share(scores: Sequence[float], share: float) -> float:

@@ -132,7 +132,7 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option(
     "--route-threshold",
     type=float,
-    help="Escalation score at which auto goes to the cloud (default 0.35; see `edgeinfer router calibrate`).",
+    help="Escalation score at which auto goes to the cloud (default 0.85; see `edgeinfer router calibrate`).",
 )
 @click.option("--stats", is_flag=True, help="Print route, timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
@@ -274,6 +274,11 @@ def router() -> None:
 @click.option("--max-tokens", type=int, default=48, show_default=True, help="Tokens per local answer.")
 @click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True)
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@click.option(
+    "--fit-weights",
+    is_flag=True,
+    help="Also fit the signals' weights to the graded answers (for another model; wants a few hundred questions).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_user_errors
 def calibrate(
@@ -284,6 +289,7 @@ def calibrate(
     max_tokens: int,
     kv_budget: str,
     threads: int | None,
+    fit_weights: bool,
     as_json: bool,
 ) -> None:
     """Pick the auto threshold that sends --cloud-share of the questions to the cloud.
@@ -291,28 +297,36 @@ def calibrate(
     The local model answers every question (greedy); the threshold is the escalation score
     above which that share of them lies. The accepted answers grade the local replies, to
     show how much quality the threshold would win back with a cloud that is always right.
+    With --fit-weights, the weights of the signals are fitted to those grades first (a
+    logistic regression; see edgeinfer/calibration.py) and the threshold is for them.
     """
     import numpy as np
 
+    from edgeinfer import calibration
     from edgeinfer.calibration import auroc, is_correct, load_questions, recovery_curve, threshold_for_share
     from edgeinfer.chat import Message
     from edgeinfer.engine import Engine
     from edgeinfer.router import assess
+    from edgeinfer.signals import SCORED, WEIGHTS, escalation_score
 
     if not 0.0 <= cloud_share <= 1.0:
         _fail(f"--cloud-share must be between 0 and 1, got {cloud_share}")
     labelled = load_questions(questions)
-    scores, correct = [], []
+    signals, correct = [], []
     with Engine(model, kv_budget=kv_budget, threads=threads) as engine:
         for i, q in enumerate(labelled, 1):
             system: list[Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
             found = assess(
                 engine, [*system, {"role": "user", "content": q.question}], temperature=0, max_tokens=max_tokens
             )
-            scores.append(found.score)
+            signals.append(found.signals)
             correct.append(is_correct(found.result.text, q.answers))
             click.echo(f"\r{i}/{len(labelled)} questions", nl=False, err=True)
     click.echo("", err=True)
+    weights = dict(WEIGHTS)
+    if fit_weights:
+        weights = calibration.fit_weights(signals, [not c for c in correct], SCORED)
+    scores = [escalation_score(s, weights) for s in signals]
     threshold = threshold_for_share(scores, cloud_share)
     share = float(np.mean(np.asarray(scores) >= threshold))
     shares, recovered = recovery_curve(scores, correct)
@@ -323,6 +337,7 @@ def calibrate(
         "local_accuracy": float(np.mean(correct)),
         "gap_recovered": float(np.interp(share, shares, recovered)),
         "auroc": auroc(scores, [not c for c in correct]),
+        "weights": weights,
     }
     if as_json:
         click.echo(json.dumps(report))
@@ -332,7 +347,11 @@ def calibrate(
         f"local accuracy {report['local_accuracy']:.1%}; with an always-right cloud this threshold wins back "
         f"{report['gap_recovered']:.0%} of the gap (random routing: {share:.0%}); AUROC {report['auroc']:.2f}"
     )
-    click.echo(f"use it: edgeinfer run --route auto --route-threshold {report['threshold']} ...")
+    if fit_weights:
+        click.echo(f"weights fitted to these answers: {weights}")
+        click.echo(f"use them: Policy('auto', threshold={report['threshold']}, weights={weights})")
+    else:
+        click.echo(f"use it: edgeinfer run --route auto --route-threshold {report['threshold']} ...")
 
 
 @cli.command()

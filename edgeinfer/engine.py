@@ -44,7 +44,8 @@ class Result:
 
     ``finish_reason``: ``stop`` (end-of-generation token or a stop string),
     ``length`` (``max_tokens`` reached) or ``cancelled``. ``logprobs[i]`` is the natural-log
-    probability the model gave ``tokens[i]`` (before sampling filters): a confidence signal.
+    probability the model gave ``tokens[i]`` (before sampling filters), and ``entropies[i]`` the
+    entropy in nats of the distribution it was drawn from: confidence signals for the router.
     """
 
     text: str
@@ -55,6 +56,7 @@ class Result:
     backend: str
     route: str = "local"
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,16 +74,21 @@ class Stream(Iterator[str]):
     """Text chunks as they are generated; ``result`` once the iteration has ended.
 
     ``cancel()`` may be called from any thread: the generation stops after the
-    token in progress and finishes with ``finish_reason == "cancelled"``. ``logprobs``
-    grows as tokens are sampled, so a caller can judge the model's confidence mid-stream.
+    token in progress and finishes with ``finish_reason == "cancelled"``. ``logprobs`` and
+    ``entropies`` grow as tokens are sampled, so a caller can judge the model's confidence mid-stream.
     """
 
     def __init__(
-        self, chunks: Generator[str, None, Result], cancel: threading.Event, logprobs: list[float] | None = None
+        self,
+        chunks: Generator[str, None, Result],
+        cancel: threading.Event,
+        logprobs: list[float] | None = None,
+        entropies: list[float] | None = None,
     ) -> None:
         self._chunks = chunks
         self._cancel = cancel
         self.logprobs: list[float] = logprobs if logprobs is not None else []
+        self.entropies: list[float] = entropies if entropies is not None else []
         self.result: Result | None = None
 
     def __next__(self) -> str:
@@ -287,7 +294,8 @@ class Engine:
             params = dataclasses.replace(params, **options)
         cancel = threading.Event()
         logprobs: list[float] = []
-        return Stream(self._run(prompt, params, cancel, logprobs), cancel, logprobs)
+        entropies: list[float] = []
+        return Stream(self._run(prompt, params, cancel, logprobs, entropies), cancel, logprobs, entropies)
 
     async def agenerate(self, prompt: str, params: SamplingParams | None = None, **options: Any) -> Result:
         """Async ``generate``; cancelling the awaiting task cancels the generation."""
@@ -402,7 +410,12 @@ class Engine:
     # -- the decode loop -----------------------------------------------------------------------
 
     def _run(
-        self, prompt: Prompt, params: SamplingParams, cancel: threading.Event, logprobs: list[float]
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        cancel: threading.Event,
+        logprobs: list[float],
+        entropies: list[float],
     ) -> Generator[str, None, Result]:
         start = perf_counter()  # TTFT counts any wait for another generation to finish
         with self._hold():
@@ -413,7 +426,7 @@ class Engine:
             if not tokens:
                 raise InvalidOptionError("the prompt is empty: give the model some text to continue")
             try:
-                result = yield from self._decode(tokens, params, cancel, m, start, logprobs)
+                result = yield from self._decode(tokens, params, cancel, m, start, logprobs, entropies)
             except (ContextFull, GeneratorExit):
                 raise
             except BaseException:
@@ -431,6 +444,7 @@ class Engine:
         m: Metrics,
         start: float,
         logprobs: list[float],
+        entropies: list[float],
     ) -> Generator[str, None, Result]:
         cached, backend, tokenizer = self._cached, self.backend, self.tokenizer
         sampler = Sampler(params)
@@ -471,7 +485,7 @@ class Engine:
                     break
                 t = perf_counter()
                 token = sampler(logits, cached)
-                logprob = float(logits[token]) - _logsumexp(logits)  # the router's confidence signal
+                logprob, entropy = _confidence(logits, token)  # the router's signals
                 t_sampled = perf_counter()
                 m.sample_s += t_sampled - t
                 if not output:
@@ -482,6 +496,7 @@ class Engine:
                 output.append(token)
                 m.token_times_s.append(t_sampled - start)
                 logprobs.append(logprob)
+                entropies.append(entropy)
                 t = perf_counter()
                 chunk = text.push(tokenizer.piece(token))
                 m.detokenize_s += perf_counter() - t
@@ -506,7 +521,9 @@ class Engine:
         m.output_tokens = len(output)
         m.total_s = perf_counter() - start
         m.kv_used = len(cached)
-        return Result(text.text, output, finish, m, self.model_path.name, backend.name, logprobs=logprobs)
+        return Result(
+            text.text, output, finish, m, self.model_path.name, backend.name, logprobs=logprobs, entropies=entropies
+        )
 
     def _make_room(self, n_incoming: int, m: Metrics) -> None:
         start, end = self.kv_policy.eviction(
@@ -545,6 +562,16 @@ class _EngineLock:
     def __exit__(self, *exc: object) -> None:
         self._engine._owner = None
         self._engine._lock.release()
+
+
+def _confidence(logits: np.ndarray, token: int) -> tuple[float, float]:
+    """The log-probability of ``token`` and the entropy (nats) of the softmax of ``logits``, in one pass."""
+    below = logits.max() - logits  # >= 0, so exp() cannot overflow
+    weights = np.exp(-below)
+    total = float(weights.sum(dtype=np.float64))
+    log_total = float(np.log(total))
+    # With p = weights / total: log p(token) = -below[token] - log(total); H = sum(p * below) + log(total).
+    return -float(below[token]) - log_total, float(weights @ below) / total + log_total
 
 
 def _logsumexp(logits: np.ndarray) -> float:

@@ -5,12 +5,12 @@ result = router.chat([{"role": "user", "content": "What is 47 * 38?"}], temperat
 print(result.text, result.route, result.reason, result.degraded, result.cloud_cost)
 
 ``auto`` tries local first and escalates when unsure. Before generating, it scores the prompt
-(length against the KV capacity, task features, the prompt's perplexity; see ``signals``) and
-sends it straight to the cloud if that score is already over the threshold. Otherwise the local
-model generates its first ``probe_tokens`` tokens, held back from the caller; their
-log-probabilities complete the score, and the held text is either released (the local model
-goes on) or dropped for the cloud. The caller never sees text from both sides for one answer,
-except in the one documented case below, where each piece is shown once.
+(length against the KV capacity and the question's own size, task features, the prompt's
+perplexity; see ``signals``) and sends it straight to the cloud if that score is already over the
+threshold. Otherwise the local model generates its first ``probe_tokens`` tokens, held back from
+the caller; their log-probabilities and entropies complete the score, and the held text is either
+released (the local model goes on) or dropped for the cloud. The caller never sees text from
+both sides for one answer, except in the one documented case below, where each piece is shown once.
 
 Failures: a cloud that is down, slow, rate-limited or erroring before its first text means the
 local model answers (``degraded``); if the local probe is still paused, it simply resumes. If the
@@ -48,9 +48,11 @@ from edgeinfer.sampling import SamplingParams
 from edgeinfer.signals import (
     SIGNALS,
     WEIGHTS,
+    entropy_signal,
     escalation_score,
     length_signal,
     perplexity_signal,
+    size_signal,
     task_signals,
     top_signals,
     uncertainty_signal,
@@ -59,7 +61,7 @@ from edgeinfer.signals import (
 Mode = Literal["auto", "local", "cloud"]
 Prompt = Sequence[Message] | str  # a string is one user message
 MODES: tuple[Mode, ...] = ("auto", "local", "cloud")
-DEFAULT_THRESHOLD = 0.35  # sends 29% of scripts/data/router_questions.jsonl to the cloud
+DEFAULT_THRESHOLD = 0.85  # sends 30% of scripts/data/router_questions.jsonl to the cloud
 # What a local failure can look like; anything else is a bug and is raised.
 LOCAL_FAILURES = (ContextFull, BackendError, InsufficientMemoryError, MemoryError)
 
@@ -69,7 +71,7 @@ class Policy:
     """How to route. ``auto`` escalates when the escalation score reaches ``threshold``
     (``edgeinfer router calibrate`` picks one for a target cloud share); ``probe_tokens`` is K,
     the local tokens generated and judged before the caller sees any; ``weights`` weigh each
-    signal in the score (default: ``signals.WEIGHTS``, set for SmolLM2-135M)."""
+    signal in the score (default: ``signals.WEIGHTS``, fitted for SmolLM2-135M)."""
 
     mode: Mode = "auto"
     threshold: float = DEFAULT_THRESHOLD
@@ -365,7 +367,7 @@ class _Routing:
                     held.append(chunk)
                     if len(stream.logprobs) >= policy.probe_tokens:
                         break
-                self.signals["uncertainty"] = uncertainty_signal(stream.logprobs[: policy.probe_tokens])
+                self.signals.update(generation_signals(stream.logprobs, stream.entropies, policy.probe_tokens))
                 self.score = escalation_score(self.signals, policy.weights)
                 verdict = ">=" if self.score >= policy.threshold else "<"
                 self.reason = (
@@ -501,7 +503,15 @@ class _Routing:
         if self.route == "local" and local is not None:
             metrics = dataclasses.replace(local.metrics, ttft_s=self.ttft_s or local.metrics.ttft_s, total_s=total)
             result = RoutedResult(
-                text, local.tokens, local.finish_reason, metrics, local.model, local.backend, "local", local.logprobs
+                text,
+                local.tokens,
+                local.finish_reason,
+                metrics,
+                local.model,
+                local.backend,
+                "local",
+                local.logprobs,
+                local.entropies,
             )
         else:
             finish: FinishReason = "cancelled" if self.call.cancelled else self.cloud_finish
@@ -536,22 +546,28 @@ def assess(
     messages, params = _prepare(messages, params, options)
     signals = prompt_signals(engine, messages, params)
     result = engine.chat(messages, params)
-    signals["uncertainty"] = uncertainty_signal(result.logprobs[: policy.probe_tokens])
+    signals.update(generation_signals(result.logprobs, result.entropies, policy.probe_tokens))
     return Assessment(result, signals, escalation_score(signals, policy.weights))
 
 
 def prompt_signals(engine: Engine, messages: list[Message], params: SamplingParams) -> dict[str, float]:
-    """Every signal known before generating: length, task features, the prompt's perplexity."""
+    """Every signal known before generating: length, size, task features, the prompt's perplexity."""
     tokens = engine.tokenize(messages)
     room = min(params.max_tokens, engine.capacity // 4)
     signals = {"length": length_signal(len(tokens), room, engine.capacity)}
     if signals["length"] >= 1.0:
         return signals
-    signals.update(task_signals(str(messages[-1].get("content", ""))))
     start, tail = _last_message_span(engine, messages, tokens)
+    signals["size"] = size_signal(max(0, len(tokens) - start - tail))
+    signals.update(task_signals(str(messages[-1].get("content", ""))))
     scores = engine.prompt_logprobs(messages, start)
     signals["perplexity"] = perplexity_signal(scores[: len(scores) - tail] if tail else scores)
     return signals
+
+
+def generation_signals(logprobs: Sequence[float], entropies: Sequence[float], k: int) -> dict[str, float]:
+    """The signals of the local model's confidence in its first ``k`` generated tokens."""
+    return {"uncertainty": uncertainty_signal(logprobs[:k]), "entropy": entropy_signal(entropies[:k])}
 
 
 def _last_message_span(engine: Engine, messages: list[Message], tokens: list[int]) -> tuple[int, int]:

@@ -1,10 +1,14 @@
 """Escalation signals, computed on the device: should the small local model answer, or the cloud?
 
 Each signal is a number in [0, 1]; higher means "more likely beyond the local model".
-They are cheap by design: regular expressions, counts, and log-probabilities the local
-model computes anyway.
+They are cheap by design: regular expressions, counts, and log-probabilities and entropies
+the local model computes anyway (one pass over each token's logits, in the sampler's loop).
 
-- ``length``: prompt tokens plus room for the answer, over the local KV capacity (1 = does not fit).
+- ``length``: prompt tokens plus room for the answer, over the local KV capacity (1 = does not fit,
+  and the prompt goes to the cloud whatever the score). Its scale depends on the KV budget, so the
+  score weighs ``size`` instead.
+- ``size``: the tokens of the user's message (the last one), over 64: longer questions pack more
+  facts and steps for a small model to get wrong.
 - ``arithmetic``: numbers joined by operators or asked about; multi-digit operands weigh more, since
   small models get one-digit sums right far more often than long ones.
 - ``reasoning``: cue words of multi-step problems ("twice as", "how many ... left", "if ... then"),
@@ -18,6 +22,17 @@ model computes anyway.
 - ``uncertainty``: from the log-probabilities of the first K tokens the local model generates; a low
   quantile (the minimum by default; not the mean: a single coin-flip token is what derails a short
   answer) is scaled so -8 nats is 1.
+- ``entropy``: the largest entropy of the next-token distribution over those same K tokens, scaled so
+  8 nats is 1. Where ``uncertainty`` sees how likely the chosen token was, this sees how spread out the
+  model's choice was at its least sure step (a near-tie between a few tokens versus no idea at all).
+  The largest, for the same reason as the minimum above: on the questions of scripts/router_quality.py
+  the median entropy ranks wrong answers worse (AUROC 0.59 against 0.67 over 16 tokens), and so does
+  the margin between the two likeliest tokens (0.62), which is why neither is a signal.
+
+The score is a weighted sum of the signals. ``WEIGHTS`` were fitted to SmolLM2-135M's right and wrong
+answers on scripts/data/router_questions.jsonl by ``calibration.fit_weights`` (``python
+scripts/router_quality.py --load RUNS.json`` prints the fit); ``edgeinfer router calibrate
+--fit-weights`` fits them for another model or other questions.
 """
 
 from __future__ import annotations
@@ -27,24 +42,29 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-SIGNALS = ("length", "arithmetic", "reasoning", "code", "language", "perplexity", "uncertainty")
+SIGNALS = ("length", "size", "arithmetic", "reasoning", "code", "language", "perplexity", "uncertainty", "entropy")
+SCORED = tuple(name for name in SIGNALS if name != "length")  # length acts as a rule (see above)
 
-# How much each signal moves the escalation score, set by hand for SmolLM2-135M from
-# scripts/router_quality.py. Code and perplexity do not predict its wrong answers there (AUROC
-# 0.45 and 0.48: it answers simple code questions well), so they are computed and reported but
-# weigh nothing; give ``Policy(weights=...)`` to weigh them for another model.
+# How much each signal moves the escalation score (the log-odds of a wrong local answer it adds at
+# full strength), fitted for SmolLM2-135M (see above). Code and perplexity do not predict its wrong
+# answers there (it answers simple code questions well), so the fit gives them nothing; they are
+# computed and reported, and ``Policy(weights=...)`` can weigh them for another model.
 WEIGHTS: Mapping[str, float] = {
-    "length": 1.0,
-    "arithmetic": 0.6,
-    "reasoning": 0.4,
+    "length": 0.0,
+    "size": 0.374,
+    "arithmetic": 1.0,
+    "reasoning": 0.597,
     "code": 0.0,
-    "language": 0.8,
+    "language": 0.876,
     "perplexity": 0.0,
-    "uncertainty": 0.6,
+    "uncertainty": 0.452,
+    "entropy": 0.881,
 }
 UNCERTAINTY_QUANTILE = 0.0  # the least likely token: one coin-flip token derails a short answer
+_SIZE_SCALE = 64  # tokens
 _PERPLEXITY_SCALE = 5.0  # nats per token
 _UNCERTAINTY_SCALE = 8.0  # nats
+_ENTROPY_SCALE = 8.0  # nats
 
 _NUMBER = r"\d+(?:[.,]\d+)?"
 _OPERATION = re.compile(
@@ -124,6 +144,11 @@ def length_signal(prompt_tokens: int, answer_room: int, capacity: int) -> float:
     return min(1.0, (prompt_tokens + answer_room) / capacity)
 
 
+def size_signal(message_tokens: int) -> float:
+    """The user's message length in tokens, scaled so 64 tokens is 1."""
+    return min(1.0, message_tokens / _SIZE_SCALE)
+
+
 def perplexity_signal(prompt_logprobs: Sequence[float]) -> float:
     """The prompt's mean negative log-probability per token, scaled to [0, 1]."""
     if not prompt_logprobs:
@@ -137,6 +162,13 @@ def uncertainty_signal(token_logprobs: Sequence[float]) -> float:
         return 0.0
     low = float(np.quantile(np.asarray(token_logprobs, dtype=np.float64), UNCERTAINTY_QUANTILE))
     return float(np.clip(-low / _UNCERTAINTY_SCALE, 0.0, 1.0))
+
+
+def entropy_signal(token_entropies: Sequence[float]) -> float:
+    """The largest next-token entropy over the generated tokens, scaled to [0, 1]."""
+    if not token_entropies:
+        return 0.0
+    return float(np.clip(max(token_entropies) / _ENTROPY_SCALE, 0.0, 1.0))
 
 
 def escalation_score(signals: Mapping[str, float], weights: Mapping[str, float] = WEIGHTS) -> float:

@@ -13,11 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from edgeinfer import Budget, CloudError, CloudModel, ContextFull, Engine, Policy, PrivacyRule, Router
-from edgeinfer.calibration import apgr, auroc, is_correct, share_to_recover, threshold_for_share
+from edgeinfer.calibration import apgr, auroc, fit_weights, is_correct, share_to_recover, threshold_for_share
 from edgeinfer.cli import cli
+from edgeinfer.errors import InvalidOptionError
 from edgeinfer.privacy import PrivacyRules
-from edgeinfer.router import assess
-from edgeinfer.signals import WEIGHTS, task_signals
+from edgeinfer.router import assess, prompt_signals
+from edgeinfer.sampling import SamplingParams
+from edgeinfer.signals import SCORED, WEIGHTS, entropy_signal, task_signals, uncertainty_signal
 
 from openai_server import OpenAIServer
 from support import FRANCE, SYSTEM
@@ -84,8 +86,11 @@ def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(mak
     router = make_router(Policy("auto", threshold=0.9, probe_tokens=4))
     chunks, result = streamed(router.stream(FRANCE, **PARIS))
     assert result.route == "local" and result.text == local_paris and server.requests == []
-    assert set(result.signals) >= {"length", "arithmetic", "code", "language", "perplexity", "uncertainty"}
+    assert set(result.signals) == set(WEIGHTS)
     assert 0 < result.signals["perplexity"] < 1 and result.score < 0.9
+    # The probe's confidence is judged on the first 4 tokens only.
+    assert result.signals["uncertainty"] == uncertainty_signal(result.logprobs[:4]) > 0
+    assert result.signals["entropy"] == entropy_signal(result.entropies[:4]) > 0
     assert "after 4 local tokens" in result.reason
 
 
@@ -101,8 +106,8 @@ def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, se
 def unsure(engine):
     """A policy that lets FRANCE through before generating but escalates it after a 6-token probe."""
     probe = assess(engine, FRANCE, policy=Policy(probe_tokens=6), **PARIS)
-    assert probe.signals["uncertainty"] > 0
-    before = probe.score - WEIGHTS["uncertainty"] * probe.signals["uncertainty"]
+    assert probe.signals["uncertainty"] > 0 and probe.signals["entropy"] > 0
+    before = probe.score - sum(WEIGHTS[name] * probe.signals[name] for name in ("uncertainty", "entropy"))
     return Policy("auto", threshold=(before + probe.score) / 2, probe_tokens=6)
 
 
@@ -366,6 +371,10 @@ def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["questions"] == 4 and report["cloud_share"] == 0.5 and report["threshold"] > 0
+    fitted = CliRunner().invoke(cli, [*args, "--system", SYSTEM, "--max-tokens", "16", "--json", "--fit-weights"])
+    assert fitted.exit_code == 0, fitted.output
+    weights = json.loads(fitted.stdout)["weights"]
+    assert set(weights) == set(SCORED) and min(weights.values()) >= 0 and max(weights.values()) > 0
     questions.write_text('{"question": "no answers"}\n')
     bad = CliRunner().invoke(cli, args)
     assert bad.exit_code == 1 and "q.jsonl:1" in bad.stderr and "answers" in bad.stderr
@@ -388,6 +397,36 @@ def test_engine_log_probs_match_a_fresh_full_evaluation(engine):
     assert np.allclose(engine.prompt_logprobs(FRANCE, start=5), reference, atol=1e-3)
     # The scored prompt stays cached: the answer after it evaluates only the last prompt token.
     assert engine.chat(FRANCE, **PARIS).metrics.cached_tokens == len(tokens) - 1
+
+
+def test_engine_token_confidence_matches_the_logits_each_token_was_drawn_from(engine):
+    engine.reset()
+    result = engine.chat(FRANCE, **PARIS)
+    assert len(result.entropies) == len(result.logprobs) == len(result.tokens) > 3
+    # Replay the decode loop's own evaluations (the prompt in one batch, then a token at a time:
+    # batched and single-token kernels round differently) and score them independently.
+    prompt = engine.tokenize(FRANCE)
+    engine.reset()
+    rows = [np.array(engine.backend.eval(prompt, 0))]  # copies: the backend reuses its logits buffer
+    for position, token in enumerate(result.tokens[:-1], len(prompt)):
+        rows.append(np.array(engine.backend.eval((token,), position)))
+    engine.reset()
+    logits = np.array(rows, dtype=np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    assert np.allclose(result.logprobs, logp[np.arange(len(logp)), result.tokens], atol=1e-4)
+    assert np.allclose(result.entropies, -(np.exp(logp) * logp).sum(axis=1), atol=1e-4)
+    assert all(0 < h < np.log(engine.tokenizer.n_vocab) for h in result.entropies)
+
+
+def test_size_counts_the_users_message_alone(engine):
+    question = FRANCE[-1]["content"]
+    params = SamplingParams(max_tokens=16)
+    history = [FRANCE[0], {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello!"}]
+    first = prompt_signals(engine, FRANCE, params)
+    later = prompt_signals(engine, [*history, FRANCE[-1]], params)
+    assert first["size"] == later["size"] == len(engine.tokenizer.encode(question, add_special=False)) / 64
+    assert first["length"] < later["length"]  # the earlier turns do take room in the cache
 
 
 @pytest.mark.parametrize(
@@ -425,3 +464,16 @@ def test_quality_math():
     assert threshold_for_share([0.1, 0.2, 0.3, 0.4], 0.5) == pytest.approx(0.25)
     assert is_correct("The answer is 1,786.", ["1786"]) and not is_correct("It is 17865.", ["1786"])
     assert not is_correct("'abc'.upper() is abc", ["ABC"]) and is_correct("Paris!", ["paris"])
+
+
+def test_fitted_weights_follow_the_signal_that_predicts_wrong_answers():
+    # "telling" is high on most wrong answers; "misleading" is higher on the right ones.
+    wrong = [True] * 8 + [False] * 8
+    telling = [0.9, 0.8, 0.7, 0.9, 0.2, 0.8, 0.6, 0.7, 0.1, 0.3, 0.2, 0.0, 0.1, 0.7, 0.2, 0.1]
+    misleading = [0.1, 0.3, 0.2, 0.0, 0.5, 0.2, 0.1, 0.3, 0.6, 0.4, 0.9, 0.5, 0.7, 0.2, 0.8, 0.6]
+    rows = [{"arithmetic": t, "code": m} for t, m in zip(telling, misleading, strict=True)]
+    weights = fit_weights(rows, wrong, ["arithmetic", "code", "language"])
+    assert weights["arithmetic"] > 1 and weights["code"] == 0 and weights["language"] == 0  # never negative
+    assert fit_weights(rows, wrong, ["arithmetic"], l2=1.0)["arithmetic"] < weights["arithmetic"]
+    with pytest.raises(InvalidOptionError, match="one right and one wrong"):
+        fit_weights(rows[:8], wrong[:8], ["arithmetic"])
