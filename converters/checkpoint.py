@@ -51,13 +51,22 @@ class Checkpoint:
         self.config = read_json(self.folder / "config.json")
         self.arch = architecture(self.config, self.folder)
         self.hparams = hparams_from_config(self.config, self.arch, self.folder)
-        refs = {ref.hf_name: ref for ref in safetensors_refs(self.folder)}
+        refs: dict[str, TensorRef] = {}
+        for ref in safetensors_refs(self.folder):
+            if ref.hf_name in refs:
+                raise ConversionError(
+                    f"{self.folder}: tensor '{ref.hf_name}' is in both {refs[ref.hf_name].file.name} and "
+                    f"{ref.file.name}; remove the stray file"
+                )
+            refs[ref.hf_name] = ref
         self.tensors = gguf_names(refs, self.hparams, self.folder)
+        # Every tensor's numpy shape by GGUF name, in the order they are written.
+        self.shapes = {name: self.tensors[name].shape for name in expected_tensors(self.hparams)}
 
     @property
     def source_dtype(self) -> str:
         """The widest dtype among the matrices: what "unquantized" means for this checkpoint."""
-        dtypes = {ref.dtype for ref in self.tensors.values()}
+        dtypes = {ref.dtype for ref in self.tensors.values() if len(ref.shape) > 1}
         return "F32" if "F32" in dtypes else "F16" if dtypes == {"F16"} else "BF16" if dtypes == {"BF16"} else "F32"
 
     def weight(self, name: str) -> np.ndarray:
@@ -69,16 +78,11 @@ class Checkpoint:
         bf16 = ref.dtype == "BF16"
         array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32, copy=False)
         hp = self.hparams
-        if hp.arch.permute_qk and name.startswith("blk."):
-            if name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias"):
-                array = permute_rope_rows(array, hp.n_head)
-            elif name.endswith(".attn_k.weight") or name.endswith(".attn_k.bias"):
-                array = permute_rope_rows(array, hp.n_head_kv)
+        if hp.arch.permute_qk and name.endswith(".attn_q.weight"):
+            array = permute_rope_rows(array, hp.n_head)
+        elif hp.arch.permute_qk and name.endswith(".attn_k.weight"):
+            array = permute_rope_rows(array, hp.n_head_kv)
         return array
-
-    def names(self) -> Iterator[str]:
-        """GGUF tensor names in the order llama.cpp's converter writes them."""
-        yield from expected_tensors(self.hparams)
 
 
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -191,18 +195,23 @@ def read_header(path: Path) -> Iterator[TensorRef]:
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ConversionError(f"{path} has a corrupt safetensors header; re-download it") from None
+            header = None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path} has a corrupt safetensors header; re-download it")
     start = 8 + length
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if any(name.endswith(s) for s in IGNORED_SUFFIXES):
             continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise ConversionError(f"{path}: tensor '{name}' has a malformed header entry; re-download it") from None
-        if dtype not in DTYPES:
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+        if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (*shape, *offsets)
+        ):
+            raise ConversionError(f"{path}: tensor '{name}' has a malformed header entry; re-download it")
+        begin, end = offsets
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ConversionError(
                 f"{path}: tensor '{name}' is {dtype}; the converter reads F32, F16 and BF16 "
                 "(dequantize or cast the checkpoint first)"
@@ -212,7 +221,7 @@ def read_header(path: Path) -> Iterator[TensorRef]:
             raise ConversionError(
                 f"{path}: tensor '{name}' lies outside the file or has the wrong size; re-download it"
             )
-        yield TensorRef(name, path, dtype, shape, start + begin)
+        yield TensorRef(name, path, dtype, tuple(shape), start + begin)
 
 
 def gguf_names(refs: Mapping[str, TensorRef], hp: HParams, folder: Path) -> dict[str, TensorRef]:

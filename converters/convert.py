@@ -23,10 +23,10 @@ from typing import Any, Literal
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgeinfer.converters.calibrate import Calibration, calibrate, column_importance, output_kld
+from edgeinfer.converters.calibrate import TOKEN_EMBD, Calibration, calibrate, column_importance, output_kld
 from edgeinfer.converters.checkpoint import Checkpoint
-from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, estimate_errors, uniform
-from edgeinfer.converters.quantize import dequantize, quantize
+from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, estimate_errors, stored_bytes, uniform
+from edgeinfer.converters.quantize import block_size, dequantize, quantize
 from edgeinfer.converters.vocab import read_vocab
 from edgeinfer.converters.writer import header_bytes, write_gguf, write_vocab_only
 from edgeinfer.errors import ConversionError
@@ -37,6 +37,8 @@ Sensitivity = Literal["activation", "kld"]
 CALIB_TOKENS = 4096  # enough for a stable importance matrix; the reference pass costs ~1 s per 300 tokens
 CALIB_CTX = 512
 PROBE_TOKENS = 256  # the tokens each tensor's KL divergence is measured on
+# Types ggml quantizes without looking at an importance matrix: calibrating for them is wasted.
+IMPORTANCE_UNUSED = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0})
 
 
 @dataclass
@@ -52,7 +54,7 @@ class ConversionReport:
     calib_tokens: int
     sensitivity: str | None
     seconds: float
-    peak_rss_bytes: int
+    peak_rss_bytes: int  # the process's peak so far, which includes earlier work in the same process
     evaluation: EvalReport | None = None
 
     @property
@@ -93,7 +95,10 @@ class ConversionReport:
             lines.append(f"{t.name:<{width}}  {shape:>13}  {kind:<12} {8 * t.nbytes / np.prod(t.shape):>6.2f}  {error}")
         fallbacks = sorted({(t.requested.name, t.qtype.name) for t in self.tensors if t.requested})
         for asked, got in fallbacks:
-            lines.append(f"note: {asked} needs rows of 256; tensors whose rows are not use {got}, as llama.cpp does")
+            block = block_size(GGMLQuantizationType[asked])
+            lines.append(
+                f"note: {asked} needs rows of {block}; tensors whose rows are not use {got}, as llama.cpp does"
+            )
         mix = ", ".join(f"{name} {n / self.n_params:.0%}" for name, n in self.type_mix().items())
         lines += [
             "",
@@ -146,13 +151,20 @@ def convert(
     if not output.parent.is_dir():
         raise ConversionError(f"{output.parent} is not a folder; create it or write the GGUF elsewhere")
 
+    held_out = _read_text(eval_text, "--eval") if eval_text is not None else None  # before minutes of work
     ckpt = Checkpoint(hf_dir)
     hp = ckpt.hparams
     vocab = read_vocab(ckpt.folder, hp.n_vocab, pre=pre_tokenizer)
     for note in vocab.notes:
         log(f"note: {note}")
-    shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
+    if ckpt.config.get("sliding_window") and hp.arch.name == "mistral":
+        log("note: llama.cpp runs Mistral with full attention; the sliding window in config.json is not used")
+    shapes = ckpt.shapes
     n_params = sum(int(np.prod(s)) for s in shapes.values())
+    uniform_type = None if budget_given else UNIFORM_TYPES[(qtype or "f16").lower()]
+    if calib is not None and uniform_type in IMPORTANCE_UNUSED:
+        log(f"note: {uniform_type.name} does not use an importance matrix; --calib is ignored")
+        calib = None
 
     calibration: Calibration | None = None
     if calib is not None:
@@ -172,7 +184,8 @@ def convert(
         log("measuring each tensor's error under every type its rows allow")
         plan = budgeted(shapes, budget, _error_model(ckpt, calibration, sensitivity, log))
     else:
-        plan = uniform(shapes, UNIFORM_TYPES[(qtype or "f16").lower()])
+        assert uniform_type is not None
+        plan = uniform(shapes, uniform_type)
 
     log(f"writing {output}")
     size = write_gguf(
@@ -181,9 +194,8 @@ def convert(
         vocab,
         {n: c.qtype for n, c in plan.items()},
         lambda n, rows, t: quantize(rows, t, column_importance(calibration, n, rows.shape[1])),
+        max_bytes=target_size,
     )
-    if target_size is not None and size > target_size:  # the plan accounts for every byte; this guards it
-        raise ConversionError(f"{output} came out at {size} bytes, over the target of {target_size}")
     report = ConversionReport(
         source=str(ckpt.folder),
         output=str(output),
@@ -196,9 +208,9 @@ def convert(
         seconds=perf_counter() - start,
         peak_rss_bytes=_peak_rss(),
     )
-    if eval_text is not None:
+    if held_out is not None:
         log("evaluating against the unquantized model")
-        report.evaluation = _evaluate(ckpt, vocab, output, _read_text(eval_text, "--eval"))
+        report.evaluation = _evaluate(ckpt, vocab, output, held_out)
     return report
 
 
@@ -212,11 +224,14 @@ def _error_model(
         weight = ckpt.weight(name)
         importance = column_importance(calibration, name, weight.shape[1])
         errors = estimate_errors(weight, importance, types)
+        if name == TOKEN_EMBD and not ckpt.hparams.tied_embeddings:
+            # A lookup table: each token reads one row, so a token sees the mean row error, not the sum.
+            errors = {t: e / len(weight) for t, e in errors.items()}
         if calibration.probe is None:
             return errors
-        probe_type = types[0]  # the fewest bits: the largest, most measurable effect
+        probe_type = min(types, key=lambda t: stored_bytes(weight.shape, t))  # the largest, most measurable effect
         replaced = dequantize(quantize(weight, probe_type, importance), probe_type).reshape(weight.shape)
-        kld = output_kld(ckpt, calibration.probe, name, replaced)
+        kld = max(output_kld(ckpt, calibration.probe, name, replaced), 0.0)  # rounding can dip below 0
         slope = kld / errors[probe_type] if errors[probe_type] > 0 else 0.0
         log(f"  {name}: KLD {kld:.2e} under {probe_type.name}")
         return {t: slope * e for t, e in errors.items()}
@@ -261,7 +276,7 @@ def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalRepo
     ctx = min(CALIB_CTX, ckpt.hparams.n_ctx_train)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=".base-") as tmp:
         base_path = Path(tmp) / f"base-{base_type.name.lower()}.gguf"
-        types = {name: choice.qtype for name, choice in uniform(dict(_shapes(ckpt)), base_type).items()}
+        types = {name: choice.qtype for name, choice in uniform(ckpt.shapes, base_type).items()}
         write_gguf(base_path, ckpt, vocab, types, lambda name, rows, qtype: quantize(rows, qtype))
         budget = f"{ctx}tok"
         with (
@@ -269,10 +284,6 @@ def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalRepo
             Engine(base_path, backend="llamacpp", kv_budget=budget, batch_size=ctx) as base,
         ):
             return evaluate(engine, text, ctx=ctx, base=base)
-
-
-def _shapes(ckpt: Checkpoint) -> list[tuple[str, tuple[int, ...]]]:
-    return [(name, ckpt.tensors[name].shape) for name in ckpt.names()]
 
 
 def _read_text(path: str | Path, option: str) -> str:

@@ -146,7 +146,7 @@ def budgeted(
         if len(shape) == 1:
             options[name] = [Option(QType.F32, stored_bytes(shape, QType.F32), 0.0)]
             continue
-        types = candidate_types(shape[-1]) or [QType.F16]
+        types = candidate_types(shape[-1])
         errors = errors_of(name, types)
         options[name] = [Option(t, stored_bytes(shape, t), errors[t]) for t in types if math.isfinite(errors[t])]
     chosen = allocate(options, budget)

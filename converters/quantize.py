@@ -119,12 +119,6 @@ def available(qtype: GGMLQuantizationType) -> bool:
     return qtype in NUMPY_TYPES or (qtype in SUPPORTED and _ggml() is not None)
 
 
-def needs_importance(qtype: GGMLQuantizationType) -> bool:
-    """Whether ggml refuses to quantize to qtype without an importance matrix."""
-    lib = _ggml()
-    return lib is not None and bool(lib.ggml_quantize_requires_imatrix(qtype))
-
-
 def quantize(
     rows: np.ndarray,
     qtype: GGMLQuantizationType,

@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 
 from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.vocab import Vocab
+from edgeinfer.errors import ConversionError
 from edgeinfer.models.arch import HParams
 
 QType = GGMLQuantizationType
@@ -47,7 +48,7 @@ def new_writer(path: Path, ckpt: Checkpoint, vocab: Vocab, ftype: LlamaFileType)
     """A GGUFWriter holding every metadata key llama.cpp needs for the checkpoint's architecture."""
     hp = ckpt.hparams
     writer = GGUFWriter(path, hp.arch.gguf_arch)
-    writer.add_name(str(ckpt.config.get("_name_or_path") or ckpt.folder.resolve().name))
+    writer.add_name(ckpt.folder.resolve().name)
     add_hparams(writer, hp)
     writer.add_vocab_size(hp.n_vocab)
     writer.add_file_type(ftype)
@@ -74,10 +75,9 @@ def add_hparams(writer: GGUFWriter, hp: HParams) -> None:
 
 def header_bytes(ckpt: Checkpoint, vocab: Vocab, directory: Path) -> int:
     """Bytes before the first tensor: metadata and tensor directory, which do not depend on types."""
-    shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
     with _temporary(directory / f".header.{os.getpid()}.gguf") as tmp:
         writer = new_writer(tmp, ckpt, vocab, LlamaFileType.ALL_F32)
-        for name, shape in shapes.items():
+        for name, shape in ckpt.shapes.items():
             writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_bytes(shape, QType.F32), QType.F32)
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
@@ -96,23 +96,35 @@ def write_vocab_only(path: Path, ckpt: Checkpoint, vocab: Vocab) -> None:
     writer.close()
 
 
-def write_gguf(out: Path, ckpt: Checkpoint, vocab: Vocab, types: Mapping[str, QType], quantize: Quantizer) -> int:
-    """Write the model with each tensor as ``types`` says, streaming; return the file's size."""
-    shapes = {name: ckpt.tensors[name].shape for name in ckpt.names()}
+def write_gguf(
+    out: Path,
+    ckpt: Checkpoint,
+    vocab: Vocab,
+    types: Mapping[str, QType],
+    quantize: Quantizer,
+    max_bytes: int | None = None,
+) -> int:
+    """Write the model with each tensor as ``types`` says, streaming; return the file's size.
+    A file over ``max_bytes`` is refused before it replaces anything."""
     with _temporary(out.with_name(f".{out.name}.{os.getpid()}.partial")) as tmp:
-        writer = new_writer(tmp, ckpt, vocab, file_type(types, shapes))
-        for name, shape in shapes.items():
-            qtype = types[name]
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_bytes(shape, qtype), qtype)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for name, shape in shapes.items():
-            data = quantize(name, ckpt.weight(name).reshape(-1, shape[-1]), types[name])
-            writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-        writer.close()
+        writer = new_writer(tmp, ckpt, vocab, file_type(types, ckpt.shapes))
+        try:
+            for name, shape in ckpt.shapes.items():
+                qtype = types[name]
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_bytes(shape, qtype), qtype)
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for name, shape in ckpt.shapes.items():
+                data = quantize(name, ckpt.weight(name).reshape(-1, shape[-1]), types[name])
+                writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        finally:
+            writer.close()
+        size = tmp.stat().st_size
+        if max_bytes is not None and size > max_bytes:  # the plan counts every byte; this guards it
+            raise ConversionError(f"the GGUF came out at {size} bytes, over the target of {max_bytes}; nothing written")
         os.replace(tmp, out)
-    return out.stat().st_size
+    return size
 
 
 @contextmanager

@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGUFReader, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from edgeinfer.converters.vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 from edgeinfer.errors import ConversionError, EdgeInferError
 from edgeinfer.models.arch import HParams
 from edgeinfer.models.catalog import resolve_model
@@ -62,12 +63,6 @@ SPECIAL_TOKEN_IDS = {
 }
 # dtype name -> (safetensors dtype, config.json torch_dtype, bytes per element)
 DTYPES = {"f32": ("F32", "float32", 4), "bf16": ("BF16", "bfloat16", 2), "f16": ("F16", "float16", 2)}
-
-# The split regexes of HF's tokenizer.json for the pre-tokenizers llama.cpp knows by these names.
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|")
 
 
 def hf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:

@@ -17,6 +17,7 @@ from tiny_hf import as_stored, write_safetensors, write_tiny_hf
 
 from edgeinfer import Engine
 from edgeinfer.converters.convert import convert
+from edgeinfer.converters.plan import UNIFORM_TYPES
 from edgeinfer.errors import ConversionError
 from edgeinfer.models.info import load_model_info
 
@@ -58,6 +59,14 @@ def test_f32_conversion_equals_hf_forward_pass(tmp_path, arch, options):
     assert (ours.argmax(1) == truth.argmax(1)).all()
 
 
+def test_f16_checkpoints_convert_exactly_to_f32(tmp_path):
+    weights = write_tiny_hf(tmp_path / "hf", dtype="f16")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    truth = hf_forward(as_stored(weights, "f16"), config, TOKENS)
+    convert(tmp_path / "hf", tmp_path / "f32.gguf", qtype="f32")
+    assert relative_error(llamacpp_logits(tmp_path / "f32.gguf", TOKENS), truth) <= 1e-4
+
+
 def test_f16_conversion_is_close_and_bf16_shards_are_read(tmp_path):
     weights = write_tiny_hf(tmp_path / "hf", dtype="bf16", shards=3)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -76,8 +85,21 @@ def wide_hf(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "bf16"])
-def test_quantized_outputs_load_and_generate(tmp_path, wide_hf, qtype):
+@pytest.fixture(scope="module")
+def wide_f32_logits(wide_hf, tmp_path_factory) -> np.ndarray:
+    out = tmp_path_factory.mktemp("wide-f32") / "f32.gguf"
+    convert(wide_hf, out, qtype="f32")
+    return llamacpp_logits(out, TOKENS)
+
+
+# Relative logit error each type may add on the tiny model: about twice what each measured.
+TYPE_ERROR = {
+    "q8_0": 0.04, "q4_0": 0.4, "q4_1": 0.35, "q5_0": 0.2, "q4_k": 0.35, "q5_k": 0.18, "q6_k": 0.09, "bf16": 0.012,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", list(TYPE_ERROR))
+def test_quantized_outputs_load_and_generate(tmp_path, wide_hf, wide_f32_logits, qtype):
     out = tmp_path / f"{qtype}.gguf"
     report = convert(wide_hf, out, qtype=qtype)
     types = {t.name: t.type for t in load_model_info(out).tensors}
@@ -88,6 +110,7 @@ def test_quantized_outputs_load_and_generate(tmp_path, wide_hf, qtype):
         down = next(t for t in report.tensors if t.name == "blk.0.ffn_down.weight")
         assert down.requested == QType[qtype.upper()] and types[down.name] == down.qtype != down.requested
         assert f"{qtype.upper()} needs rows of 256" in report.format()
+    assert relative_error(llamacpp_logits(out, TOKENS), wide_f32_logits) <= TYPE_ERROR[qtype]
     with Engine(out, backend="llamacpp", kv_budget="256tok", threads=2) as engine:
         result = engine.generate("The lighthouse", max_tokens=8, temperature=0)
     assert result.metrics.output_tokens == 8
@@ -99,7 +122,7 @@ def test_budgeted_conversion_fits_its_budget_and_spends_it(tmp_path, wide_hf):
     target = (q8.file_bytes + q4.file_bytes) // 2
     report = convert(wide_hf, tmp_path / "mix.gguf", target_size=target, calib=CALIB, sensitivity="activation")
     assert report.file_bytes == (tmp_path / "mix.gguf").stat().st_size <= target
-    assert report.file_bytes > q4.file_bytes  # the budget is spent, not left over
+    assert report.file_bytes > 0.99 * target  # the budget is spent, not left over
     matrices = [t for t in report.tensors if len(t.shape) == 2]
     assert len({t.qtype for t in matrices}) > 1
     assert all(t.error is not None and np.isfinite(t.error) for t in matrices)
@@ -110,18 +133,14 @@ def test_budgeted_conversion_fits_its_budget_and_spends_it(tmp_path, wide_hf):
         assert engine.generate("The lighthouse", max_tokens=4, temperature=0).metrics.output_tokens == 4
 
 
-def test_kld_sensitivity_and_eval_report(tmp_path, wide_hf):
-    q4 = convert(wide_hf, tmp_path / "q4.gguf", qtype="q4_0")
-    report = convert(
-        wide_hf, tmp_path / "kld.gguf", target_size=q4.file_bytes, calib=CALIB, sensitivity="kld", eval_text=CALIB
-    )
+def test_a_measured_mix_beats_one_type_at_the_same_size(tmp_path, wide_hf):
+    q4 = convert(wide_hf, tmp_path / "q4.gguf", qtype="q4_0", eval_text=CALIB)
+    report = convert(wide_hf, tmp_path / "kld.gguf", target_size=q4.file_bytes, calib=CALIB, eval_text=CALIB)
     assert report.sensitivity == "kld" and report.file_bytes <= q4.file_bytes
-    ev = report.evaluation
-    assert ev is not None and ev.comparison is not None
-    assert 0 < ev.comparison.kld_mean < 1 and ev.perplexity > 1
-    q8 = convert(wide_hf, tmp_path / "q8.gguf", qtype="q8_0", eval_text=CALIB)
-    assert q8.evaluation is not None and q8.evaluation.comparison is not None
-    assert q8.evaluation.comparison.kld_mean < ev.comparison.kld_mean
+    ours, theirs = report.evaluation, q4.evaluation
+    assert ours is not None and ours.comparison is not None and theirs is not None and theirs.comparison is not None
+    # Measured 0.143 against uniform Q4_0's 0.293 on this model.
+    assert ours.comparison.kld_mean < 0.8 * theirs.comparison.kld_mean
     assert "KLD" in report.format()
 
 
@@ -141,6 +160,8 @@ def test_cli_convert_prints_a_table_and_json(tmp_path, wide_hf):
     assert result.exit_code == 1 and "--calib" in result.output
     result = CliRunner().invoke(cli, ["convert", str(wide_hf), "-o", str(out), "--target-size", "lots"])
     assert result.exit_code == 1 and "'80MB'" in result.output
+    type_option = next(p for p in cli.commands["convert"].params if p.name == "qtype")
+    assert list(type_option.type.choices) == list(UNIFORM_TYPES)  # the CLI offers what the converter does
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path):
@@ -199,7 +220,7 @@ def test_an_interrupted_conversion_leaves_the_old_file_and_no_partial(tmp_path):
     proc.wait(timeout=60)
     assert proc.returncode != 0
     assert out.read_bytes() == b"the previous model"
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
+    assert sorted(os.listdir(tmp_path)) == ["hf", "model.gguf"]  # no partial file, no temporary vocabulary
 
 
 def test_converted_file_tokenizes_as_the_hf_tokenizer(tmp_path, wide_hf):

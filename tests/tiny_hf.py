@@ -36,7 +36,8 @@ def hf_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     def norm(n: int) -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    weights = {"model.embed_tokens.weight": rng.standard_normal((v, e)).astype(np.float32)}
+    # Scaled so the tied head gives logits of a few units: a spread distribution, as trained models have.
+    weights = {"model.embed_tokens.weight": (0.2 * rng.standard_normal((v, e))).astype(np.float32)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
