@@ -98,14 +98,16 @@ def calibrate(
 
     n_probe = min(probe_tokens, len(chunks[0])) if chunks else 0
     inputs: list[np.ndarray] = []
-    xs = [model.embed(chunk) for chunk in chunks]
+    # One read of the embedding table for every chunk, not one per chunk.
+    xs = np.split(model.embed([t for chunk in chunks for t in chunk]), np.cumsum([len(c) for c in chunks[:-1]]))
     for layer in range(hp.n_layer):
         inputs.append(xs[0][:n_probe].copy())
         xs = [model.block(layer, x, np.arange(len(x)), observe=observe) for x in xs]
     inputs.append(xs[0][:n_probe].copy())
     head = TOKEN_EMBD if hp.tied_embeddings else OUTPUT
+    norm = ckpt.weight(OUTPUT_NORM)
     for x in xs:
-        observe(head, rms_norm(x, ckpt.weight(OUTPUT_NORM), hp.rms_eps))
+        observe(head, rms_norm(x, norm, hp.rms_eps))
     calib.importance = {name: (total / calib.n_tokens).astype(np.float32) for name, total in sums.items()}
     if n_probe:
         calib.probe = Probe(chunks[0][:n_probe], inputs, log_softmax(model.head(inputs[-1])))
