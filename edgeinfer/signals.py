@@ -31,8 +31,9 @@ the local model computes anyway (one pass over each token's logits, in the sampl
 
 The score is a weighted sum of the signals. ``WEIGHTS`` were fitted to SmolLM2-135M's right and wrong
 answers on scripts/data/router_questions.jsonl by ``calibration.fit_weights`` (``python
-scripts/router_quality.py --load RUNS.json`` prints the fit); ``edgeinfer router calibrate
---fit-weights`` fits them for another model or other questions.
+scripts/router_quality.py --load RUNS.json`` prints the fit), and not refitted since: the held-out
+questions beside them (scripts/data/router_questions_heldout.jsonl) measure them out of sample.
+``edgeinfer router calibrate --fit-weights`` fits them for another model or other questions.
 """
 
 from __future__ import annotations
