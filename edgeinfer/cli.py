@@ -134,6 +134,13 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
     type=float,
     help="Escalation score at which auto goes to the cloud (default 0.85; see `edgeinfer router calibrate`).",
 )
+@click.option(
+    "--route-samples",
+    type=click.IntRange(min=0),
+    default=0,
+    help="auto: also sample this many short local answers and escalate when they disagree "
+    "(a better judge, slower first token; calibrate with the same --samples).",
+)
 @click.option("--stats", is_flag=True, help="Print route, timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of as it is generated.")
@@ -160,6 +167,7 @@ def run(
     cloud_url: str | None,
     cloud_model: str | None,
     route_threshold: float | None,
+    route_samples: int,
     stats: bool,
     as_json: bool,
     no_stream: bool,
@@ -202,7 +210,8 @@ def run(
     if cloud is not None:
         from edgeinfer.router import Policy, Router
 
-        policy = Policy(route) if route_threshold is None else Policy(route, threshold=route_threshold)  # type: ignore[arg-type]
+        threshold = {} if route_threshold is None else {"threshold": route_threshold}
+        policy = Policy(route, samples=route_samples, **threshold)  # type: ignore[arg-type]
         router = Router(engine, cloud, policy=policy)
         stream_of: Any = router.stream
     else:
@@ -279,6 +288,13 @@ def router() -> None:
     is_flag=True,
     help="Also fit the signals' weights to the graded answers (for another model; wants a few hundred questions).",
 )
+@click.option(
+    "--samples",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Short local answers sampled per question for the disagreement signal, as `run --route-samples`.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_user_errors
 def calibrate(
@@ -290,6 +306,7 @@ def calibrate(
     kv_budget: str,
     threads: int | None,
     fit_weights: bool,
+    samples: int,
     as_json: bool,
 ) -> None:
     """Pick the auto threshold that sends --cloud-share of the questions to the cloud.
@@ -306,7 +323,7 @@ def calibrate(
     from edgeinfer.calibration import auroc, is_correct, load_questions, recovery_curve, threshold_for_share
     from edgeinfer.chat import Message
     from edgeinfer.engine import Engine
-    from edgeinfer.router import assess
+    from edgeinfer.router import Policy, assess
     from edgeinfer.signals import SCORED, WEIGHTS, escalation_score
 
     if not 0.0 <= cloud_share <= 1.0:
@@ -317,7 +334,11 @@ def calibrate(
         for i, q in enumerate(labelled, 1):
             system: list[Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
             found = assess(
-                engine, [*system, {"role": "user", "content": q.question}], temperature=0, max_tokens=max_tokens
+                engine,
+                [*system, {"role": "user", "content": q.question}],
+                policy=Policy(samples=samples),
+                temperature=0,
+                max_tokens=max_tokens,
             )
             signals.append(found.signals)
             correct.append(is_correct(found.result.text, q.answers))
@@ -351,7 +372,8 @@ def calibrate(
         click.echo(f"weights fitted to these answers: {weights}")
         click.echo(f"use them: Policy('auto', threshold={report['threshold']}, weights={weights})")
     else:
-        click.echo(f"use it: edgeinfer run --route auto --route-threshold {report['threshold']} ...")
+        with_samples = f" --route-samples {samples}" if samples else ""
+        click.echo(f"use it: edgeinfer run --route auto --route-threshold {report['threshold']}{with_samples} ...")
 
 
 @cli.command()

@@ -9,7 +9,10 @@ print(result.text, result.route, result.reason, result.degraded, result.cloud_co
 perplexity; see ``signals``) and sends it straight to the cloud if that score is already over the
 threshold. Otherwise the local model generates its first ``probe_tokens`` tokens, held back from
 the caller; their log-probabilities and entropies complete the score, and the held text is either
-released (the local model goes on) or dropped for the cloud. The caller never sees text from
+released (the local model goes on) or dropped for the cloud. With ``Policy(samples=N)`` the
+local model first answers N more times, briefly and at random, and how much those answers
+disagree with each other and with the probe joins the score (``disagreement``: a better judge
+of a small model's wrong facts, for a slower first token). The caller never sees text from
 both sides for one answer, except in the one documented case below, where each piece is shown once.
 
 Failures: a cloud that is down, slow, rate-limited or erroring before its first text means the
@@ -48,6 +51,7 @@ from edgeinfer.sampling import SamplingParams
 from edgeinfer.signals import (
     SIGNALS,
     WEIGHTS,
+    disagreement_signal,
     entropy_signal,
     escalation_score,
     length_signal,
@@ -71,12 +75,17 @@ class Policy:
     """How to route. ``auto`` escalates when the escalation score reaches ``threshold``
     (``edgeinfer router calibrate`` picks one for a target cloud share); ``probe_tokens`` is K,
     the local tokens generated and judged before the caller sees any; ``weights`` weigh each
-    signal in the score (default: ``signals.WEIGHTS``, fitted for SmolLM2-135M)."""
+    signal in the score (default: ``signals.WEIGHTS``, fitted for SmolLM2-135M). ``samples`` > 0
+    also has the local model answer that many times (``sample_tokens`` each, at temperature 0.7)
+    before the probe, for the ``disagreement`` signal: a better score for that many more local
+    tokens before the first one is shown (see ``signals``)."""
 
     mode: Mode = "auto"
     threshold: float = DEFAULT_THRESHOLD
     probe_tokens: int = 16
     weights: Mapping[str, float] = field(default_factory=lambda: dict(WEIGHTS))
+    samples: int = 0
+    sample_tokens: int = 24
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +97,10 @@ class Policy:
             )
         if self.probe_tokens < 1:
             raise InvalidOptionError(f"probe_tokens must be at least 1, got {self.probe_tokens}")
+        if self.samples < 0 or self.sample_tokens < 1:
+            raise InvalidOptionError(
+                f"samples must be 0 or more and sample_tokens at least 1, got {self.samples} and {self.sample_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -297,6 +310,7 @@ class _Routing:
         self.degraded = False
         self.cloud_allowed = True
         self.signals: dict[str, float] = {}
+        self.samples: list[str] = []
         self.score: float | None = None
         self.local_result: Result | None = None
         self.local_usage = Usage()
@@ -351,6 +365,12 @@ class _Routing:
             top = top_signals(self.signals, policy.weights)
             self.reason = f"escalation score {self.score:.2f} >= {policy.threshold:.2f} before generating ({top})"
             return "cloud"
+        try:
+            self.samples = [] if self.call.cancelled else sample_answers(self.local, self.messages, policy)
+        except LOCAL_FAILURES as exc:
+            self.degraded = True
+            self.reason = f"the local model failed ({_describe(exc)})"
+            return "cloud"
         return "probe"
 
     # -- the local side ------------------------------------------------------------------------
@@ -359,6 +379,8 @@ class _Routing:
         policy = self.router.policy
         stream = self.local.stream(self.messages, self.params)
         self.call.local = stream
+        if self.call.cancelled:  # while the prompt was scored or sampled, before there was a stream to stop
+            stream.cancel()
         held: list[str] = []
         try:
             if probe:
@@ -368,6 +390,9 @@ class _Routing:
                     if len(stream.logprobs) >= policy.probe_tokens:
                         break
                 self.signals.update(generation_signals(stream.logprobs, stream.entropies, policy.probe_tokens))
+                if self.samples:
+                    question = str(self.messages[-1].get("content", ""))
+                    self.signals["disagreement"] = disagreement_signal(question, ["".join(held), *self.samples])
                 self.score = escalation_score(self.signals, policy.weights)
                 verdict = ">=" if self.score >= policy.threshold else "<"
                 self.reason = (
@@ -545,8 +570,12 @@ def assess(
     policy = policy or Policy()
     messages, params = _prepare(messages, params, options)
     signals = prompt_signals(engine, messages, params)
+    samples = sample_answers(engine, messages, policy)
     result = engine.chat(messages, params)
     signals.update(generation_signals(result.logprobs, result.entropies, policy.probe_tokens))
+    if samples:
+        probe = engine.tokenizer.decode(result.tokens[: policy.probe_tokens])
+        signals["disagreement"] = disagreement_signal(str(messages[-1].get("content", "")), [probe, *samples])
     return Assessment(result, signals, escalation_score(signals, policy.weights))
 
 
@@ -563,6 +592,14 @@ def prompt_signals(engine: Engine, messages: list[Message], params: SamplingPara
     scores = engine.prompt_logprobs(messages, start)
     signals["perplexity"] = perplexity_signal(scores[: len(scores) - tail] if tail else scores)
     return signals
+
+
+def sample_answers(engine: Engine, messages: list[Message], policy: Policy) -> list[str]:
+    """The ``policy.samples`` short answers ``disagreement`` compares with the probe (seeded: reproducible)."""
+    return [
+        engine.chat(messages, SamplingParams(temperature=0.7, max_tokens=policy.sample_tokens, seed=seed)).text
+        for seed in range(policy.samples)
+    ]
 
 
 def generation_signals(logprobs: Sequence[float], entropies: Sequence[float], k: int) -> dict[str, float]:

@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--heldout", type=Path, default=HELDOUT, help="questions scored with the shipped weights")
     parser.add_argument("--no-heldout", action="store_true", help="skip the held-out questions")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--samples", type=int, default=0, help="Policy(samples=N): the disagreement signal")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--save", type=Path, help="write the per-question records here (JSON)")
     parser.add_argument("--load", type=Path, help="read per-question records instead of running the model")
@@ -89,7 +90,7 @@ def main() -> None:
             records, held = saved["questions"], saved["heldout"]
         else:
             assert engine is not None
-            router = Router(engine, cloud)
+            router = Router(engine, cloud, policy=Policy(samples=args.samples))
             records = assess_all(router, questions, args.max_tokens)
             held = assess_all(router, heldout, args.max_tokens)
         if args.save:
@@ -98,7 +99,7 @@ def main() -> None:
         if held:
             report_heldout(records, held)
         if engine is not None and not args.no_route:
-            route_all(engine, cloud, questions, records, args.max_tokens)
+            route_all(engine, cloud, questions, records, args.max_tokens, args.samples)
     print(
         f"\n{len(records)} questions from {args.questions.name}, {len(held)} held out; "
         f"{time.perf_counter() - started:.0f} s in all"
@@ -224,9 +225,11 @@ def cross_validated(records: list[dict], correct: list[bool], folds: int = 5, sp
     return np.mean(found, axis=0)
 
 
-def route_all(engine: Engine, cloud: CloudModel, questions: list, records: list[dict], max_tokens: int) -> None:
+def route_all(
+    engine: Engine, cloud: CloudModel, questions: list, records: list[dict], max_tokens: int, samples: int
+) -> None:
     threshold = threshold_for_share([r["score"] for r in records], 0.5)
-    router = Router(engine, cloud, policy=Policy("auto", threshold=threshold))
+    router = Router(engine, cloud, policy=Policy("auto", threshold=threshold, samples=samples))
     routes, right, started = [], [], time.perf_counter()
     for i, q in enumerate(questions, 1):
         result = router.chat(messages_for(q.question), temperature=0, max_tokens=max_tokens)

@@ -19,7 +19,14 @@ from edgeinfer.errors import InvalidOptionError
 from edgeinfer.privacy import PrivacyRules
 from edgeinfer.router import assess, prompt_signals
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.signals import SCORED, WEIGHTS, entropy_signal, task_signals, uncertainty_signal
+from edgeinfer.signals import (
+    SCORED,
+    WEIGHTS,
+    disagreement_signal,
+    entropy_signal,
+    task_signals,
+    uncertainty_signal,
+)
 
 from openai_server import OpenAIServer
 from support import FRANCE, SYSTEM
@@ -86,7 +93,7 @@ def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(mak
     router = make_router(Policy("auto", threshold=0.9, probe_tokens=4))
     chunks, result = streamed(router.stream(FRANCE, **PARIS))
     assert result.route == "local" and result.text == local_paris and server.requests == []
-    assert set(result.signals) == set(WEIGHTS)
+    assert set(result.signals) == set(WEIGHTS) - {"disagreement"}  # that one needs Policy(samples=N)
     assert 0 < result.signals["perplexity"] < 1 and result.score < 0.9
     # The probe's confidence is judged on the first 4 tokens only.
     assert result.signals["uncertainty"] == uncertainty_signal(result.logprobs[:4]) > 0
@@ -95,10 +102,11 @@ def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(mak
 
 
 def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, server):
-    router = make_router(Policy("auto", threshold=0.5))
+    router = make_router(Policy("auto", threshold=0.5, samples=2))
     result = router.chat([{"role": "user", "content": "What is 4738 * 2913 - 18457?"}], **PARIS)
     assert result.route == "cloud" and result.text == CLOUD_ANSWER
     assert "arithmetic 1.00" in result.reason and "uncertainty" not in result.signals
+    assert "disagreement" not in result.signals  # no samples drawn for a prompt already escalated
     assert result.local_usage.completion_tokens == 0
 
 
@@ -124,6 +132,20 @@ def test_an_escalated_probe_resumes_locally_when_the_cloud_fails(make_router, se
     chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
     assert result.route == "local" and result.degraded and result.text == local_paris  # the held tokens too
     assert "after 6 local tokens" in result.reason and "the cloud failed (server" in result.reason
+
+
+def test_samples_add_disagreement_and_leave_the_answer_alone(make_router, server, engine, local_paris):
+    policy = Policy("auto", threshold=10.0, samples=2, sample_tokens=8)
+    chunks, result = streamed(make_router(policy).stream(FRANCE, **PARIS))
+    assert result.route == "local" and result.text == local_paris and server.requests == []
+    # The same seeded samples, drawn again, and the probe's 16 tokens give the same signal.
+    samples = [engine.chat(FRANCE, temperature=0.7, max_tokens=8, seed=seed).text for seed in (0, 1)]
+    assert all(0 < len(engine.tokenizer.encode(text, add_special=False)) <= 8 for text in samples)
+    probe = engine.tokenizer.decode(result.tokens[:16])
+    expected = disagreement_signal(FRANCE[-1]["content"], [probe, *samples])
+    assert 0.0 <= result.signals["disagreement"] <= 1.0
+    assert result.signals["disagreement"] == pytest.approx(expected)
+    assert assess(engine, FRANCE, policy=policy, **PARIS).signals["disagreement"] == pytest.approx(expected)
 
 
 def test_routed_length_escalation(make_router, server):
@@ -311,6 +333,10 @@ def test_bad_arguments_are_one_line_errors(make_router):
         router.chat(FRANCE, temprature=0)
     with pytest.raises(Exception, match="unknown routing policy"):
         Policy("sometimes")
+    with pytest.raises(InvalidOptionError, match="samples must be 0 or more"):
+        Policy(samples=-1)
+    with pytest.raises(InvalidOptionError, match="sample_tokens at least 1"):
+        Policy(samples=2, sample_tokens=0)
     with pytest.raises(Exception, match="not a valid regular expression"):
         Router(router.local, router.cloud, privacy=["("])
     assert isinstance(CloudError("x", "timeout"), Exception)
@@ -351,6 +377,15 @@ def test_cli_takes_the_cloud_from_the_environment_and_degrades_quietly(server, m
     assert KEY not in result.output and server.requests[0].body["model"] == "env-model"
 
 
+def test_cli_auto_with_samples_judges_locally_and_reports_the_signals(server):
+    args = ["--route", "auto", "--cloud-url", server.url, "--cloud-model", "m", "--route-threshold", "10"]
+    result = CliRunner().invoke(cli, [*RUN, *args, "--route-samples", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["route"] == "local" and "Paris" in payload["text"] and server.requests == []
+    assert 0.0 <= payload["signals"]["disagreement"] <= 1.0
+
+
 def test_cli_auto_without_a_cloud_url_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("EDGEINFER_CLOUD_URL", raising=False)
     result = CliRunner().invoke(cli, [*RUN, "--route", "auto"])
@@ -375,6 +410,9 @@ def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
     assert fitted.exit_code == 0, fitted.output
     weights = json.loads(fitted.stdout)["weights"]
     assert set(weights) == set(SCORED) and min(weights.values()) >= 0 and max(weights.values()) > 0
+    sampled = CliRunner().invoke(cli, [*args, "--system", SYSTEM, "--max-tokens", "16", "--samples", "2"])
+    assert sampled.exit_code == 0, sampled.output
+    assert "--route-samples 2" in sampled.stdout  # the threshold is for scores with disagreement in them
     questions.write_text('{"question": "no answers"}\n')
     bad = CliRunner().invoke(cli, args)
     assert bad.exit_code == 1 and "q.jsonl:1" in bad.stderr and "answers" in bad.stderr
@@ -453,6 +491,16 @@ def test_privacy_rules_spare_ordinary_numbers():
         assert rules.first_match(text) is None, text
     assert rules.first_match("ssn? no: mail a.b@c.io") == "email address"
     assert rules.first_match("password: hunter2hunter2") == "API key or token"
+
+
+def test_disagreement_compares_the_first_sentences_content_words():
+    question = "What is the capital of Australia?"
+    canberra, sydney = "The capital of Australia is Canberra.", "The capital of Australia is Sydney."
+    assert disagreement_signal(question, [canberra, "Canberra is the capital of Australia. Sydney is larger."]) == 0
+    assert disagreement_signal(question, [canberra, sydney]) == 1
+    assert disagreement_signal(question, [canberra, canberra, sydney]) == pytest.approx(2 / 3)
+    assert disagreement_signal(question, ["The capital of Australia is", "It is the capital of Australia"]) == 0
+    assert disagreement_signal(question, [canberra]) == 0  # nothing to compare with
 
 
 def test_quality_math():
