@@ -5,9 +5,10 @@ A question file is JSON Lines, one object a line::
     {"question": "What is 47 * 38?", "answers": ["1786"], "category": "arithmetic"}
 
 ``answers`` are the accepted answers. A reply is right when one of them appears in it as a whole
-word or number, ignoring case (except for all-capital answers such as ``ABC`` or ``SELECT``) and
-thousands separators. That is lenient towards rambling replies that also name the answer, and
-strict towards right answers phrased another way ("seven" for "7" unless both are accepted).
+word or number (anywhere, for Chinese and Japanese answers), ignoring case (except for all-capital
+answers such as ``ABC`` or ``SELECT``) and thousands separators. That is lenient towards rambling
+replies that also name the answer, and strict towards right answers phrased another way ("seven"
+for "7" unless both are accepted).
 
 With a cloud that is always right, sending the share ``s`` of questions with the highest
 escalation scores to it recovers part of the gap between the local accuracy ``a`` and 1;
@@ -81,8 +82,12 @@ def is_correct(reply: str, answers: Sequence[str]) -> bool:
     for answer in answers:
         wanted = _normalize(answer)
         case = 0 if len(wanted) > 1 and wanted.isupper() else re.IGNORECASE
+        if any(unicodedata.east_asian_width(ch) in "WF" for ch in wanted):
+            # Chinese and Japanese write words without spaces: "巴黎" stands inside "首都是巴黎。".
+            if wanted in text:
+                return True
         # Not inside a longer word or number: "5" is not found in "15" or "0.5".
-        if re.search(rf"(?<!\w)(?<!\d[.,]){re.escape(wanted)}(?!\w)(?![.,]\d)", text, case):
+        elif re.search(rf"(?<!\w)(?<!\d[.,]){re.escape(wanted)}(?!\w)(?![.,]\d)", text, case):
             return True
     return False
 

@@ -132,7 +132,8 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option(
     "--route-threshold",
     type=float,
-    help="Escalation score at which auto goes to the cloud (default 0.85; see `edgeinfer router calibrate`).",
+    help="Escalation score at which auto goes to the cloud (default 0.64, 1.81 with --route-samples; "
+    "see `edgeinfer router calibrate`).",
 )
 @click.option(
     "--route-samples",
@@ -359,6 +360,7 @@ def calibrate(
         "gap_recovered": float(np.interp(share, shares, recovered)),
         "auroc": auroc(scores, [not c for c in correct]),
         "weights": weights,
+        "samples": samples,
     }
     if as_json:
         click.echo(json.dumps(report))
@@ -370,7 +372,7 @@ def calibrate(
     )
     if fit_weights:
         click.echo(f"weights fitted to these answers: {weights}")
-        click.echo(f"use them: Policy('auto', threshold={report['threshold']}, weights={weights})")
+        click.echo(f"use them: Policy('auto', threshold={report['threshold']}, weights={weights}, samples={samples})")
     else:
         with_samples = f" --route-samples {samples}" if samples else ""
         click.echo(f"use it: edgeinfer run --route auto --route-threshold {report['threshold']}{with_samples} ...")

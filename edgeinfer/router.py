@@ -65,7 +65,9 @@ from edgeinfer.signals import (
 Mode = Literal["auto", "local", "cloud"]
 Prompt = Sequence[Message] | str  # a string is one user message
 MODES: tuple[Mode, ...] = ("auto", "local", "cloud")
-DEFAULT_THRESHOLD = 0.85  # sends 30% of scripts/data/router_questions.jsonl to the cloud
+# Each sends 30% of scripts/data/router_questions.jsonl to the cloud, with and without samples.
+DEFAULT_THRESHOLD = 0.64
+SAMPLED_THRESHOLD = 1.81  # disagreement adds up to its weight, 1.33, to the score
 # What a local failure can look like; anything else is a bug and is raised.
 LOCAL_FAILURES = (ContextFull, BackendError, InsufficientMemoryError, MemoryError)
 
@@ -73,7 +75,8 @@ LOCAL_FAILURES = (ContextFull, BackendError, InsufficientMemoryError, MemoryErro
 @dataclass(frozen=True)
 class Policy:
     """How to route. ``auto`` escalates when the escalation score reaches ``threshold``
-    (``edgeinfer router calibrate`` picks one for a target cloud share); ``probe_tokens`` is K,
+    (``edgeinfer router calibrate`` picks one for a target cloud share; by default, the one that
+    sends 30% of our benchmark's questions, with or without ``samples``); ``probe_tokens`` is K,
     the local tokens generated and judged before the caller sees any; ``weights`` weigh each
     signal in the score (default: ``signals.WEIGHTS``, fitted for SmolLM2-135M). ``samples`` > 0
     also has the local model answer that many times (``sample_tokens`` each, at temperature 0.7)
@@ -81,7 +84,7 @@ class Policy:
     tokens before the first one is shown (see ``signals``)."""
 
     mode: Mode = "auto"
-    threshold: float = DEFAULT_THRESHOLD
+    threshold: float = -1.0  # -1: DEFAULT_THRESHOLD, or SAMPLED_THRESHOLD with samples
     probe_tokens: int = 16
     weights: Mapping[str, float] = field(default_factory=lambda: dict(WEIGHTS))
     samples: int = 0
@@ -101,6 +104,8 @@ class Policy:
             raise InvalidOptionError(
                 f"samples must be 0 or more and sample_tokens at least 1, got {self.samples} and {self.sample_tokens}"
             )
+        if self.threshold == -1.0:
+            object.__setattr__(self, "threshold", SAMPLED_THRESHOLD if self.samples else DEFAULT_THRESHOLD)
 
 
 @dataclass(frozen=True)
@@ -385,14 +390,11 @@ class _Routing:
         try:
             if probe:
                 # Hold the first K tokens back while judging the model's confidence in them.
-                for chunk in stream:
-                    held.append(chunk)
-                    if len(stream.logprobs) >= policy.probe_tokens:
-                        break
+                held = take_probe(stream, policy.probe_tokens)
                 self.signals.update(generation_signals(stream.logprobs, stream.entropies, policy.probe_tokens))
                 if self.samples:
-                    question = str(self.messages[-1].get("content", ""))
-                    self.signals["disagreement"] = disagreement_signal(question, ["".join(held), *self.samples])
+                    answers = ["".join(held), *self.samples]
+                    self.signals["disagreement"] = disagreement_signal(_question(self.messages), answers)
                 self.score = escalation_score(self.signals, policy.weights)
                 verdict = ">=" if self.score >= policy.threshold else "<"
                 self.reason = (
@@ -571,11 +573,15 @@ def assess(
     messages, params = _prepare(messages, params, options)
     signals = prompt_signals(engine, messages, params)
     samples = sample_answers(engine, messages, policy)
-    result = engine.chat(messages, params)
+    with engine.stream(messages, params) as stream:
+        probe = "".join(take_probe(stream, policy.probe_tokens))
+        for _ in stream:
+            pass
+    result = stream.result
+    assert result is not None
     signals.update(generation_signals(result.logprobs, result.entropies, policy.probe_tokens))
     if samples:
-        probe = engine.tokenizer.decode(result.tokens[: policy.probe_tokens])
-        signals["disagreement"] = disagreement_signal(str(messages[-1].get("content", "")), [probe, *samples])
+        signals["disagreement"] = disagreement_signal(_question(messages), [probe, *samples])
     return Assessment(result, signals, escalation_score(signals, policy.weights))
 
 
@@ -588,10 +594,20 @@ def prompt_signals(engine: Engine, messages: list[Message], params: SamplingPara
         return signals
     start, tail = _last_message_span(engine, messages, tokens)
     signals["size"] = size_signal(max(0, len(tokens) - start - tail))
-    signals.update(task_signals(str(messages[-1].get("content", ""))))
+    signals.update(task_signals(_question(messages)))
     scores = engine.prompt_logprobs(messages, start)
     signals["perplexity"] = perplexity_signal(scores[: len(scores) - tail] if tail else scores)
     return signals
+
+
+def take_probe(stream: Stream, k: int) -> list[str]:
+    """The text chunks of the stream's first ``k`` tokens (fewer if the answer ends sooner)."""
+    held: list[str] = []
+    for chunk in stream:
+        held.append(chunk)
+        if len(stream.logprobs) >= k:
+            break
+    return held
 
 
 def sample_answers(engine: Engine, messages: list[Message], policy: Policy) -> list[str]:
@@ -605,6 +621,10 @@ def sample_answers(engine: Engine, messages: list[Message], policy: Policy) -> l
 def generation_signals(logprobs: Sequence[float], entropies: Sequence[float], k: int) -> dict[str, float]:
     """The signals of the local model's confidence in its first ``k`` generated tokens."""
     return {"uncertainty": uncertainty_signal(logprobs[:k]), "entropy": entropy_signal(entropies[:k])}
+
+
+def _question(messages: Sequence[Message]) -> str:
+    return str(messages[-1].get("content", ""))
 
 
 def _last_message_span(engine: Engine, messages: list[Message], tokens: list[int]) -> tuple[int, int]:

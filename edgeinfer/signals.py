@@ -32,7 +32,8 @@ the local model computes anyway (one pass over each token's logits, in the sampl
   temperature 0.7, ``sample_tokens`` tokens each, and the signal is 1 minus the mean overlap
   (Jaccard) between the content words of the first sentence of every pair of those answers and the
   probe's. Content words are those not in the question and not function words, so "The capital of
-  Australia is Sydney" against "... is Canberra" disagrees and rephrasings of one answer do not.
+  Australia is Sydney" against "... is Canberra" disagrees, and "Canberra is the capital of
+  Australia" against "... is Canberra" does not (a rephrasing that adds words counts partly).
   A model that knows a fact tends to state it every time; one that guesses names something new each
   time. It costs N × ``sample_tokens`` more local tokens before the first one is shown, so it is off
   by default: on scripts/router_quality.py it lifts the AUROC from 0.81 to 0.83-0.84, in and out of
@@ -41,8 +42,8 @@ the local model computes anyway (one pass over each token's logits, in the sampl
 
 The score is a weighted sum of the signals. ``WEIGHTS`` were fitted to SmolLM2-135M's right and wrong
 answers on scripts/data/router_questions.jsonl by ``calibration.fit_weights`` (``python
-scripts/router_quality.py --load RUNS.json`` prints the fit), and not refitted since: the held-out
-questions beside them (scripts/data/router_questions_heldout.jsonl) measure them out of sample.
+scripts/router_quality.py --samples 4 --load RUNS.json`` prints the fit); the held-out questions
+beside them (scripts/data/router_questions_heldout.jsonl) measure them out of sample.
 ``edgeinfer router calibrate --fit-weights`` fits them for another model or other questions.
 """
 

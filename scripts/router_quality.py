@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--heldout", type=Path, default=HELDOUT, help="questions scored with the shipped weights")
     parser.add_argument("--no-heldout", action="store_true", help="skip the held-out questions")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--samples", type=int, default=0, help="Policy(samples=N): the disagreement signal")
+    parser.add_argument(
+        "--samples", type=int, default=0, help="Policy(samples=N): the disagreement signal (--load: as saved)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--save", type=Path, help="write the per-question records here (JSON)")
     parser.add_argument("--load", type=Path, help="read per-question records instead of running the model")
@@ -87,19 +89,20 @@ def main() -> None:
         cloud = CloudModel(oracle.url, "oracle", api_key="not-needed")
         if args.load:
             saved = json.loads(args.load.read_text())
-            records, held = saved["questions"], saved["heldout"]
+            records, held, samples = saved["questions"], saved["heldout"], saved["samples"]
         else:
             assert engine is not None
-            router = Router(engine, cloud, policy=Policy(samples=args.samples))
+            samples = args.samples
+            router = Router(engine, cloud, policy=Policy(samples=samples))
             records = assess_all(router, questions, args.max_tokens)
             held = assess_all(router, heldout, args.max_tokens)
         if args.save:
-            args.save.write_text(json.dumps({"questions": records, "heldout": held}))
+            args.save.write_text(json.dumps({"samples": samples, "questions": records, "heldout": held}))
         report(records)
         if held:
             report_heldout(records, held)
         if engine is not None and not args.no_route:
-            route_all(engine, cloud, questions, records, args.max_tokens, args.samples)
+            route_all(engine, cloud, questions, records, args.max_tokens, samples)
     print(
         f"\n{len(records)} questions from {args.questions.name}, {len(held)} held out; "
         f"{time.perf_counter() - started:.0f} s in all"

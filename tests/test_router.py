@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgeinfer import Budget, CloudError, CloudModel, ContextFull, Engine, Policy, PrivacyRule, Router
+from edgeinfer import router as router_module
 from edgeinfer.calibration import apgr, auroc, fit_weights, is_correct, share_to_recover, threshold_for_share
 from edgeinfer.cli import cli
 from edgeinfer.errors import InvalidOptionError
@@ -101,12 +102,15 @@ def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(mak
     assert "after 4 local tokens" in result.reason
 
 
-def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, server):
+def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, server, monkeypatch):
+    drawn = []
+    sample = router_module.sample_answers
+    monkeypatch.setattr(router_module, "sample_answers", lambda *args: drawn.append(1) or sample(*args))
     router = make_router(Policy("auto", threshold=0.5, samples=2))
     result = router.chat([{"role": "user", "content": "What is 4738 * 2913 - 18457?"}], **PARIS)
     assert result.route == "cloud" and result.text == CLOUD_ANSWER
     assert "arithmetic 1.00" in result.reason and "uncertainty" not in result.signals
-    assert "disagreement" not in result.signals  # no samples drawn for a prompt already escalated
+    assert drawn == [] and "disagreement" not in result.signals  # no samples for a prompt already escalated
     assert result.local_usage.completion_tokens == 0
 
 
@@ -146,6 +150,27 @@ def test_samples_add_disagreement_and_leave_the_answer_alone(make_router, server
     assert 0.0 <= result.signals["disagreement"] <= 1.0
     assert result.signals["disagreement"] == pytest.approx(expected)
     assert assess(engine, FRANCE, policy=policy, **PARIS).signals["disagreement"] == pytest.approx(expected)
+
+
+def test_disagreement_can_tip_a_probe_to_the_cloud(make_router, server, engine, local_paris):
+    found = assess(engine, FRANCE, policy=Policy(samples=2, sample_tokens=8), **PARIS)
+    added = WEIGHTS["disagreement"] * found.signals["disagreement"]
+    assert added > 0
+    between = found.score - added / 2  # over the score without disagreement, under the one with it
+    alone = make_router(Policy("auto", threshold=between)).chat(FRANCE, **PARIS)
+    assert alone.route == "local" and alone.text == local_paris
+    sampled = make_router(Policy("auto", threshold=between, samples=2, sample_tokens=8)).chat(FRANCE, **PARIS)
+    assert sampled.route == "cloud" and sampled.text == CLOUD_ANSWER and "disagreement" in sampled.reason
+    assert sampled.score == pytest.approx(found.score)
+
+
+def test_a_stream_cancelled_before_it_starts_does_no_local_work(make_router, server, engine):
+    stream = make_router(Policy("auto", threshold=10.0, samples=2)).stream(FRANCE, **PARIS)
+    stream.cancel()
+    chunks, result = streamed(stream)
+    assert chunks == [] and result.finish_reason == "cancelled" and result.route == "local"
+    assert result.local_usage.completion_tokens == 0 and server.requests == []
+    assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1
 
 
 def test_routed_length_escalation(make_router, server):
@@ -406,6 +431,7 @@ def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["questions"] == 4 and report["cloud_share"] == 0.5 and report["threshold"] > 0
+    assert report["samples"] == 0
     fitted = CliRunner().invoke(cli, [*args, "--system", SYSTEM, "--max-tokens", "16", "--json", "--fit-weights"])
     assert fitted.exit_code == 0, fitted.output
     weights = json.loads(fitted.stdout)["weights"]
@@ -501,6 +527,12 @@ def test_disagreement_compares_the_first_sentences_content_words():
     assert disagreement_signal(question, [canberra, canberra, sydney]) == pytest.approx(2 / 3)
     assert disagreement_signal(question, ["The capital of Australia is", "It is the capital of Australia"]) == 0
     assert disagreement_signal(question, [canberra]) == 0  # nothing to compare with
+
+
+def test_grading_finds_chinese_and_japanese_answers_without_spaces():
+    assert is_correct("法国的首都是巴黎。", ["巴黎"]) and is_correct("首都は東京です", ["東京"])
+    assert not is_correct("中国的首都是北京。", ["巴黎"])
+    assert not is_correct("It is 15.", ["5"]) and is_correct("Paris, on the Seine.", ["paris"])
 
 
 def test_quality_math():

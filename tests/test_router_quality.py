@@ -46,7 +46,7 @@ def test_held_out_figures_come_from_the_shipped_weights(engine, tmp_path):
         held = script.assess_all(router, picked(HELDOUT), 16)
     assert any(r["correct"] for r in held) and not all(r["correct"] for r in held)
     runs = tmp_path / "runs.json"
-    runs.write_text(json.dumps({"questions": records, "heldout": held}))
+    runs.write_text(json.dumps({"samples": 0, "questions": records, "heldout": held}))
 
     out = subprocess.run(
         [sys.executable, str(SCRIPTS / "router_quality.py"), "--load", str(runs), "--no-route"],
