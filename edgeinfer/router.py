@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from edgeinfer.chat import Message
 from edgeinfer.cloud import Cancellation, CloudModel, CloudStream, Usage, sampling_params
-from edgeinfer.engine import AsyncStream, Engine, FinishReason, Result, Stream
+from edgeinfer.engine import AsyncStream, Engine, FinishReason, Result, Stream, _drain
 from edgeinfer.errors import (
     BackendError,
     CloudError,
@@ -575,10 +575,7 @@ def assess(
     samples = sample_answers(engine, messages, policy)
     with engine.stream(messages, params) as stream:
         probe = "".join(take_probe(stream, policy.probe_tokens))
-        for _ in stream:
-            pass
-    result = stream.result
-    assert result is not None
+        result = _drain(stream)
     signals.update(generation_signals(result.logprobs, result.entropies, policy.probe_tokens))
     if samples:
         signals["disagreement"] = disagreement_signal(_question(messages), [probe, *samples])

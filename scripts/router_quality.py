@@ -19,9 +19,10 @@ figures on them are in-sample and optimistic. Two out-of-sample estimates follow
 - ``auto (5-fold CV)`` refits the weights the same way on four fifths of the questions and scores
   the fifth; it is averaged over 10 random splits into folds.
 - the held-out questions (scripts/data/router_questions_heldout.jsonl, same categories in the
-  same proportions) were written after the weights were fitted and never used to choose a signal
-  or a weight; the shipped weights score them as they would any user's questions. Both sets
-  together are also cross-validated.
+  same proportions) were written after the other weights were fitted; no weight and no variant
+  of ``disagreement`` was chosen on them (docs/BENCHMARKS.md says what they did steer). The
+  shipped weights score them as they would any user's questions. Both sets together are also
+  cross-validated.
 
 Finally the real Router runs every question with ``auto`` at the threshold ``calibrate`` picks
 for a 50% cloud share, through real HTTP to the oracle, and the answers it returns are graded.
