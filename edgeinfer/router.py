@@ -371,7 +371,7 @@ class _Routing:
             self.reason = f"escalation score {self.score:.2f} >= {policy.threshold:.2f} before generating ({top})"
             return "cloud"
         try:
-            self.samples = [] if self.call.cancelled else sample_answers(self.local, self.messages, policy)
+            self.samples = sample_answers(self.local, self.messages, policy, self.call)
         except LOCAL_FAILURES as exc:
             self.degraded = True
             self.reason = f"the local model failed ({_describe(exc)})"
@@ -607,12 +607,23 @@ def take_probe(stream: Stream, k: int) -> list[str]:
     return held
 
 
-def sample_answers(engine: Engine, messages: list[Message], policy: Policy) -> list[str]:
-    """The ``policy.samples`` short answers ``disagreement`` compares with the probe (seeded: reproducible)."""
-    return [
-        engine.chat(messages, SamplingParams(temperature=0.7, max_tokens=policy.sample_tokens, seed=seed)).text
-        for seed in range(policy.samples)
-    ]
+def sample_answers(engine: Engine, messages: list[Message], policy: Policy, call: _Call | None = None) -> list[str]:
+    """The ``policy.samples`` short answers ``disagreement`` compares with the probe (seeded: reproducible).
+
+    Cancelling ``call`` stops the sample in progress after its current token, and no more are drawn.
+    """
+    answers = []
+    for seed in range(policy.samples):
+        if call is not None and call.cancelled:
+            break
+        params = SamplingParams(temperature=0.7, max_tokens=policy.sample_tokens, seed=seed)
+        with engine.stream(messages, params) as stream:
+            if call is not None:
+                call.local = stream
+                if call.cancelled:  # between the check above and the stream being there to stop
+                    stream.cancel()
+            answers.append(_drain(stream).text)
+    return answers
 
 
 def generation_signals(logprobs: Sequence[float], entropies: Sequence[float], k: int) -> dict[str, float]:

@@ -335,6 +335,28 @@ def test_cancelling_a_local_stream_stops_the_engine(make_router, engine):
     assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1
 
 
+def test_cancelling_while_sampling_stops_the_sample_and_draws_no_more(make_router, server, engine, monkeypatch):
+    drawn = []
+    stream_of = engine.stream
+    monkeypatch.setattr(engine, "stream", lambda *args, **kw: drawn.append(stream_of(*args, **kw)) or drawn[-1])
+    router = make_router(Policy("auto", threshold=10.0, samples=4, sample_tokens=200))
+    stream = router.stream("Tell me a long story about a dragon.", max_tokens=200)
+
+    def cancel_once_sampling() -> None:
+        deadline = time.monotonic() + 60
+        while not (drawn and drawn[0].logprobs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stream.cancel()
+
+    threading.Thread(target=cancel_once_sampling, daemon=True).start()
+    chunks, result = streamed(stream)
+    samples = drawn[:-1]  # the last stream is the answer's, cancelled before its first token
+    assert len(samples) == 1 and samples[0].result.finish_reason == "cancelled"
+    assert len(samples[0].result.tokens) < 200
+    assert chunks == [] and result.finish_reason == "cancelled" and result.local_usage.completion_tokens == 0
+    assert server.requests == []
+
+
 async def test_async_twins_and_cancelling_the_task(make_router, server, local_paris):
     router = make_router("local")
     assert (await router.achat(FRANCE, **PARIS)).text == local_paris
