@@ -299,6 +299,12 @@ class _Call:
             self.local.cancel()
         self.cloud_cancel.cancel()
 
+    def run_locally(self, stream: Stream) -> None:
+        """Make ``stream`` the local side that ``cancel`` stops; stop it now if that came first."""
+        self.local = stream
+        if self.cancelled:
+            stream.cancel()
+
 
 class _Routing:
     """One call through the router: the plan, each side's attempt, and what the caller was shown."""
@@ -383,9 +389,7 @@ class _Routing:
     def _local(self, *, probe: bool) -> Generator[str, None, None]:
         policy = self.router.policy
         stream = self.local.stream(self.messages, self.params)
-        self.call.local = stream
-        if self.call.cancelled:  # while the prompt was scored or sampled, before there was a stream to stop
-            stream.cancel()
+        self.call.run_locally(stream)  # a cancel while the prompt was scored or sampled stops it at once
         held: list[str] = []
         try:
             if probe:
@@ -619,9 +623,7 @@ def sample_answers(engine: Engine, messages: list[Message], policy: Policy, call
         params = SamplingParams(temperature=0.7, max_tokens=policy.sample_tokens, seed=seed)
         with engine.stream(messages, params) as stream:
             if call is not None:
-                call.local = stream
-                if call.cancelled:  # between the check above and the stream being there to stop
-                    stream.cancel()
+                call.run_locally(stream)
             answers.append(_drain(stream).text)
     return answers
 
