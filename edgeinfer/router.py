@@ -395,10 +395,16 @@ class _Routing:
             if probe:
                 # Hold the first K tokens back while judging the model's confidence in them.
                 held = take_probe(stream, policy.probe_tokens)
-                self.signals.update(generation_signals(stream.logprobs, stream.entropies, policy.probe_tokens))
-                if self.samples:
-                    answers = ["".join(held), *self.samples]
-                    self.signals["disagreement"] = disagreement_signal(_question(self.messages), answers)
+                self.signals.update(
+                    probe_signals(
+                        self.messages,
+                        "".join(held),
+                        self.samples,
+                        stream.logprobs,
+                        stream.entropies,
+                        policy.probe_tokens,
+                    )
+                )
                 self.score = escalation_score(self.signals, policy.weights)
                 verdict = ">=" if self.score >= policy.threshold else "<"
                 self.reason = (
@@ -580,9 +586,7 @@ def assess(
     with engine.stream(messages, params) as stream:
         probe = "".join(take_probe(stream, policy.probe_tokens))
         result = _drain(stream)
-    signals.update(generation_signals(result.logprobs, result.entropies, policy.probe_tokens))
-    if samples:
-        signals["disagreement"] = disagreement_signal(_question(messages), [probe, *samples])
+    signals.update(probe_signals(messages, probe, samples, result.logprobs, result.entropies, policy.probe_tokens))
     return Assessment(result, signals, escalation_score(signals, policy.weights))
 
 
@@ -631,6 +635,21 @@ def sample_answers(engine: Engine, messages: list[Message], policy: Policy, call
 def generation_signals(logprobs: Sequence[float], entropies: Sequence[float], k: int) -> dict[str, float]:
     """The signals of the local model's confidence in its first ``k`` generated tokens."""
     return {"uncertainty": uncertainty_signal(logprobs[:k]), "entropy": entropy_signal(entropies[:k])}
+
+
+def probe_signals(
+    messages: Sequence[Message],
+    probe: str,
+    samples: Sequence[str],
+    logprobs: Sequence[float],
+    entropies: Sequence[float],
+    k: int,
+) -> dict[str, float]:
+    """What the probe adds to the score: confidence in its first ``k`` tokens and, with samples, disagreement."""
+    signals = generation_signals(logprobs, entropies, k)
+    if samples:
+        signals["disagreement"] = disagreement_signal(_question(messages), [probe, *samples])
+    return signals
 
 
 def _question(messages: Sequence[Message]) -> str:
