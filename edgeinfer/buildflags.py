@@ -1,10 +1,16 @@
-"""CMake flags for building llama-cpp-python safely on this CPU.
+"""CMake flags for building llama-cpp-python safely on this CPU, and for a contrasting build.
 
 A native build (GGML_NATIVE=ON) compiles in every instruction set the CPU
 reports. Some CPUs, and many VMs and containers, report AMX but fault on its
 instructions (SIGILL in ggml_backend_amx_mul_mat at the first decode). Where AMX
 is reported, build for the instruction sets the CPU has, with AMX off; elsewhere
 the native build is right.
+
+``python3 edgeinfer/buildflags.py --contrast`` prints the flags of a build that
+runs here but uses other kernels than the native one (AVX2 without AVX-512 on an
+AVX-512 CPU, AVX without AVX2 on an AVX2 CPU): CI runs the model-output tests
+against it, because llama.cpp rounds differently in each, and a test that only
+passes on one instruction set must not land.
 
 Standard library only: ``scripts/setup.sh`` runs this file before anything else is installed.
 """
@@ -52,6 +58,25 @@ def safe_cmake_args(flags: set[str] | None = None) -> str:
     return " ".join(options)
 
 
+def contrast_cmake_args(flags: set[str] | None = None) -> str:
+    """CMAKE_ARGS for a build one instruction-set tier below this CPU's best, with AMX off.
+
+    On an AVX-512 CPU: AVX2, FMA, F16C and BMI2, no AVX-512. On an AVX2 CPU without
+    AVX-512: AVX and F16C, no AVX2, FMA or BMI2. Elsewhere: every x86 option off.
+    """
+    flags = cpu_flags() if flags is None else flags
+    if "avx512f" in flags:
+        kept = {"avx", "avx2", "fma", "f16c", "bmi2"}
+    elif "avx2" in flags:
+        kept = {"avx", "f16c"}
+    else:
+        kept = set()
+    options = ["-DGGML_NATIVE=OFF"]
+    options += [f"-D{option}={'ON' if flag in flags & kept else 'OFF'}" for flag, option in _X86_OPTIONS]
+    options += [f"-D{option}=OFF" for option in _AMX_OPTIONS]
+    return " ".join(options)
+
+
 def rebuild_command(flags: set[str] | None = None) -> str:
     """The shell command that reinstalls llama-cpp-python with safe flags."""
     args = safe_cmake_args(flags) or "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
@@ -59,4 +84,6 @@ def rebuild_command(flags: set[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    print(safe_cmake_args())
+    import sys
+
+    print(contrast_cmake_args() if sys.argv[1:] == ["--contrast"] else safe_cmake_args())

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from edgeinfer.backends import backend_class
-from edgeinfer.backends.base import Backend, BackendOptions
+from edgeinfer.backends.base import DEFAULT_BATCH_SIZE, Backend, BackendOptions
 from edgeinfer.chat import ChatTemplate, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
@@ -33,7 +33,6 @@ from edgeinfer.system import check_memory, default_threads, estimate_memory, usa
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
-_SCORE_BATCH = 64  # prompt tokens per all-logits evaluation in prompt_logprobs
 FinishReason = Literal["stop", "length", "cancelled"]
 Prompt = str | Sequence[Message]
 
@@ -196,10 +195,20 @@ class Engine:
         kv_type: KV element type, ``"f16"`` or ``"q8_0"`` where the backend supports it.
         threads: CPU threads; default: the cores that are free right now. More than this
             process may use are capped to them.
-        batch_size: most prompt tokens evaluated in one step.
+        batch_size: prompt tokens evaluated in one step. Prompts are evaluated in chunks
+            aligned to multiples of it, and a cached prefix is reused in whole chunks.
         force: load even if the memory estimate says it will not fit.
 
     One engine serves one generation at a time; calls from other threads wait their turn.
+
+    Greedy output does not depend on what the KV cache held: llama.cpp's arithmetic for a
+    position depends on how many tokens one evaluation carries, so the engine computes every
+    prompt position in the same aligned chunk as a cold run would, and reuses only cached
+    positions that were computed that way (whole prompt chunks, not generated tokens and not
+    positions after an eviction), or the whole of the last prompt prefilled, with its saved
+    last logits, when it is asked again. The same prompt, options, thread count and llama.cpp build
+    give the same logits cold, after another call, after a chat turn and after ``reset()``.
+    Another thread count or another build may still round differently.
     """
 
     def __init__(
@@ -211,7 +220,7 @@ class Engine:
         kv_policy: str | KVPolicy = "sinks",
         kv_type: str = "f16",
         threads: int | None = None,
-        batch_size: int = 512,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         force: bool = False,
     ) -> None:
         backend_cls = backend_class(backend)
@@ -254,6 +263,12 @@ class Engine:
         self.capacity = min(wanted, self.backend.capacity)
         self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
         self._cached: list[int] = []  # the tokens in the backend's KV cache, by position
+        # How many leading cached positions were computed in whole aligned prompt chunks, as a
+        # cold run computes them: only these are reused (a multiple of batch_size).
+        self._exact = 0
+        # The last prompt prefilled in full, and its last row of logits: while the cache still holds
+        # that prompt, asking it again (a replay, the router's samples) evaluates nothing.
+        self._last_prompt: tuple[list[int], np.ndarray] | None = None
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._closed = False
@@ -332,8 +347,7 @@ class Engine:
                 f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
             )
         with self._hold():
-            self.backend.truncate(0)
-            self._cached.clear()
+            self._forget(0)
             try:
                 return np.array(self.backend.eval(tokens, 0, all_logits=True), dtype=np.float32)
             finally:
@@ -343,7 +357,7 @@ class Engine:
         """The log-probability of each prompt token from index ``start`` on, given the tokens before it.
 
         Their mean is minus the log-perplexity: how familiar the prompt looks to the model.
-        The prompt stays in the KV cache, so a following call on it only evaluates its last token.
+        The prompt stays in the KV cache, so a following call on it only evaluates its last chunk.
         Raises ``ContextFull`` if the prompt alone does not fit in the cache.
         """
         with self._hold():
@@ -354,33 +368,25 @@ class Engine:
                 )
             start = max(1, min(start, len(tokens)))
             # Row i of the logits predicts token i + 1, so scoring from ``start`` evaluates from ``start - 1``.
-            reuse = min(_common_prefix(self._cached, tokens), start - 1)
-            self.backend.truncate(reuse)
-            del self._cached[reuse:]
+            first = self._reuse(tokens, start - 1)
             scores: list[float] = []
             try:
-                if reuse < start - 1:
-                    self.backend.eval(tokens[reuse : start - 1], reuse)
-                    self._cached.extend(tokens[reuse : start - 1])
-                # Small batches: all-token logits cost n_vocab floats per token.
-                for first in range(start - 1, len(tokens), _SCORE_BATCH):
-                    batch = tokens[first : first + _SCORE_BATCH]
-                    rows = self.backend.eval(batch, first, all_logits=True)
-                    self._cached.extend(batch)
-                    targets = tokens[first + 1 : first + 1 + len(batch)]
-                    for row, target in zip(rows, targets, strict=False):
-                        scores.append(float(row[target]) - _logsumexp(row))
+                for chunk_start, rows in self._prefill(tokens, first, rows_from=start - 1):
+                    if rows.ndim == 1:  # a chunk before the scored tokens: only its last row came back
+                        continue
+                    for offset, row in enumerate(rows):
+                        position = chunk_start + offset
+                        if start - 1 <= position < len(tokens) - 1:
+                            scores.append(float(row[tokens[position + 1]]) - _logsumexp(row))
             except BaseException:
-                self.backend.truncate(0)
-                self._cached.clear()
+                self._forget(0)
                 raise
             return scores
 
     def reset(self) -> None:
         """Forget the cached conversation."""
         with self._hold():
-            self.backend.truncate(0)
-            self._cached.clear()
+            self._forget(0)
 
     @property
     def kv_used(self) -> int:
@@ -431,8 +437,7 @@ class Engine:
                 raise
             except BaseException:
                 # A backend that failed mid-evaluation may hold a partial batch: start clean.
-                self.backend.truncate(0)
-                self._cached.clear()
+                self._forget(0)
                 raise
             return result
 
@@ -455,21 +460,21 @@ class Engine:
         )
         m.prompt_tokens = len(prompt)
 
-        # Reuse the cached prefix (a chat's earlier turns); the last prompt token is always
-        # evaluated, since its logits pick the first new token.
-        reuse = min(_common_prefix(cached, prompt), len(prompt) - 1)
-        backend.truncate(reuse)
-        del cached[reuse:]
-        m.cached_tokens = reuse
-        # Prefill a batch at a time, so a cancel waits for one batch, not the whole prompt.
+        # Reuse the cached prefix (a chat's earlier turns). The first new token is drawn from the
+        # last prompt token's logits: saved if this prompt was the last one prefilled, else evaluated.
         t = perf_counter()
-        logits: np.ndarray | None = None  # stays None only if cancelled before the first batch
-        for first in range(reuse, len(prompt), self.batch_size):
-            if cancel.is_set():
-                break
-            batch = prompt[first : first + self.batch_size]
-            logits = backend.eval(batch, first)
-            cached.extend(batch)
+        logits: np.ndarray | None = None  # stays None only if cancelled before the first chunk
+        if self._last_prompt is not None and self._last_prompt[0] == prompt:
+            self._forget(len(prompt))  # drop the answer that followed it
+            logits = self._last_prompt[1]
+            m.cached_tokens = len(prompt)
+        else:
+            m.cached_tokens = self._reuse(prompt, len(prompt) - 1)
+            # Prefill a chunk at a time, so a cancel waits for one chunk, not the whole prompt.
+            for _, chunk_logits in self._prefill(prompt, m.cached_tokens, cancel=cancel):
+                logits = chunk_logits
+            if logits is not None and len(cached) == len(prompt):
+                self._last_prompt = (list(prompt), np.array(logits))
         m.prefill_s = perf_counter() - t
         if logits is not None and not np.isfinite(logits).all():
             raise BackendError(
@@ -535,7 +540,55 @@ class Engine:
         )
         self.backend.evict(start, end)
         del self._cached[start:end]
+        # Shifted positions were re-rotated, not computed as a cold run computes them.
+        self._exact = min(self._exact, start // self.batch_size * self.batch_size)
+        self._last_prompt = None
         m.kv_evicted += end - start
+
+    # -- the prompt cache ----------------------------------------------------------------------
+
+    def _reuse(self, tokens: Sequence[int], limit: int) -> int:
+        """Keep the longest cached prefix of ``tokens`` (at most ``limit``) that a cold run would compute alike.
+
+        That is a whole number of aligned chunks, all computed as prompt chunks. Returns its length.
+        """
+        reuse = min(_common_prefix(self._cached, tokens), limit, self._exact)
+        self._forget(reuse // self.batch_size * self.batch_size)
+        return len(self._cached)
+
+    def _forget(self, n: int) -> None:
+        """Drop cached positions from ``n`` on."""
+        self.backend.truncate(n)
+        del self._cached[n:]
+        self._exact = min(self._exact, n)
+        if self._last_prompt is not None and n < len(self._last_prompt[0]):
+            self._last_prompt = None
+
+    def _prefill(
+        self,
+        tokens: Sequence[int],
+        first: int,
+        *,
+        cancel: threading.Event | None = None,
+        rows_from: int | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Evaluate ``tokens[first:]`` in chunks aligned to multiples of ``batch_size``; yield each chunk's logits.
+
+        ``first`` must be the number of cached positions, a chunk boundary. A chunk that
+        reaches ``rows_from`` yields every row's logits, any other only its last row's.
+        Stops between chunks once ``cancel`` is set.
+        """
+        size = self.batch_size
+        for start in range(first, len(tokens), size):
+            if cancel is not None and cancel.is_set():
+                return
+            chunk = tokens[start : start + size]
+            all_rows = rows_from is not None and start + len(chunk) > rows_from
+            logits = self.backend.eval(chunk, start, all_logits=all_rows)
+            self._cached.extend(chunk)
+            if len(chunk) == size and self._exact == start:
+                self._exact = start + size
+            yield start, logits
 
     def _hold(self) -> _EngineLock:
         return _EngineLock(self)

@@ -87,7 +87,12 @@ class Metrics:
                 f"{self.tpot_percentile(50) * ms:.2f}, P95 {self.tpot_percentile(95) * ms:.2f}, "
                 f"P99 {self.tpot_percentile(99) * ms:.2f} ms)",
             ),
-            ("prefill", f"{self.prefill_tokens_per_s:.1f} tok/s"),
+            (
+                "prefill",
+                f"{self.prefill_tokens_per_s:.1f} tok/s"
+                if self.prompt_tokens > self.cached_tokens
+                else "nothing evaluated (the whole prompt was cached)",
+            ),
             (
                 "stages",
                 f"tokenize {self.tokenize_s * ms:.1f} ms, prefill {self.prefill_s * ms:.1f} ms, "

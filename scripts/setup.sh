@@ -2,10 +2,31 @@
 # Installs edgeinfer on a fresh machine: llama-cpp-python built for this CPU,
 # the default model, then edgeinfer itself. `--test` installs it editable with
 # the test extras instead.
+#
+# `--contrast` (after `--test`) builds a second llama-cpp-python, one instruction-set
+# tier below this CPU's best, into .venv-contrast (which sees everything else installed
+# here): llama.cpp rounds differently with other kernels, and the tests must pass on both
+# (`.venv-contrast/bin/python -m pytest`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LLAMA_CPP_VERSION=0.3.36
+
+if [ "${1:-}" = "--contrast" ]; then
+    CONTRAST_ARGS=$("$PYTHON" edgeinfer/buildflags.py --contrast)
+    if [ "$(cat .venv-contrast/cmake-args 2>/dev/null)" != "$LLAMA_CPP_VERSION $CONTRAST_ARGS" ]; then
+        rm -rf .venv-contrast
+        "$PYTHON" -m venv --system-site-packages .venv-contrast
+        # venv bundles an old setuptools on some Pythons; the main install's one (>= 77) builds edgeinfer.
+        .venv-contrast/bin/python -m pip uninstall -y -q setuptools 2>/dev/null || true
+        echo "building the contrast llama-cpp-python $LLAMA_CPP_VERSION with CMAKE_ARGS=$CONTRAST_ARGS"
+        # --no-deps: its dependencies come from the main install, which the venv sees.
+        CMAKE_ARGS="$CONTRAST_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+            .venv-contrast/bin/python -m pip install --no-cache-dir --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION"
+        echo "$LLAMA_CPP_VERSION $CONTRAST_ARGS" > .venv-contrast/cmake-args
+    fi
+    exit 0
+fi
 
 # llama-cpp-python compiles llama.cpp (6-12 minutes on 2 cores). Flags that keep
 # AMX out of the build where the CPU reports it (see edgeinfer/buildflags.py);

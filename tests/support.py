@@ -9,10 +9,28 @@ from types import ModuleType
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-# Answers "Paris" greedily with this system prompt; SmolLM2's built-in one makes it ramble.
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 SYSTEM = "You are a helpful assistant."
-FRANCE = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+# Greedy SmolLM2-135M answers this "The capital of Japan is Tokyo." on AVX2 and AVX-512 builds alike:
+# every token of it, the end of generation included, leads the runner-up by more than 1.6 logits,
+# far more than the builds' rounding moves a logit (test_engine checks the margin). France, the
+# old question, led by 0.09 and became "La femme de France, ..." on AVX2.
+JAPAN = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of Japan?"}]
+MIN_MARGIN = 1.0  # logits; a greedy answer a test depends on must lead by this much at every token
+
+
+def greedy_margins(engine, prompt, result) -> np.ndarray:
+    """How far each token of a greedy ``result`` led the runner-up, in logits (and the end token, if it stopped).
+
+    Scored from a fresh prefill of prompt and answer: a margin well above the tenths of a logit
+    that batching or another instruction set moves means the answer does not hang on rounding.
+    """
+    prompt_tokens = engine.tokenize(prompt)
+    rows = engine.logits(prompt_tokens + list(result.tokens))[len(prompt_tokens) - 1 :]
+    if result.finish_reason != "stop":  # the last row chose the token after the answer
+        rows = rows[:-1]
+    top_two = np.sort(rows, axis=1)[:, -2:]
+    return top_two[:, 1] - top_two[:, 0]
 
 
 def rewrite_gguf(src: Path, dst: Path, *, drop: tuple[str, ...] = (), strings: dict[str, str] | None = None) -> Path:

@@ -14,9 +14,9 @@ from edgeinfer.cli import cli
 
 from support import SYSTEM
 
-FRANCE_ARGS = [
+JAPAN_ARGS = [
     "run",
-    "What is the capital of France?",
+    "What is the capital of Japan?",
     "--system",
     SYSTEM,
     "--temperature",
@@ -34,16 +34,16 @@ def runner():
 
 
 def test_run_streams_the_answer(runner):
-    result = runner.invoke(cli, FRANCE_ARGS)
+    result = runner.invoke(cli, JAPAN_ARGS)
     assert result.exit_code == 0, result.output
-    assert "Paris" in result.stdout
+    assert "Tokyo" in result.stdout
 
 
 def test_run_json_and_stats(runner):
-    result = runner.invoke(cli, [*FRANCE_ARGS, "--json", "--stats"])
+    result = runner.invoke(cli, [*JAPAN_ARGS, "--json", "--stats"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert "Paris" in payload["text"] and payload["finish_reason"] == "stop"
+    assert "Tokyo" in payload["text"] and payload["finish_reason"] == "stop"
     assert payload["metrics"]["ttft_s"] > 0 and payload["metrics"]["kv_capacity"] == 512
     for line in ("TTFT", "decode", "prefill", "KV cache", "route: local", "tokenize"):
         assert line in result.stderr
@@ -51,10 +51,10 @@ def test_run_json_and_stats(runner):
 
 def test_run_reads_the_prompt_from_stdin(runner):
     result = runner.invoke(
-        cli, FRANCE_ARGS[:1] + FRANCE_ARGS[2:] + ["--no-stream"], input="What is the capital of France?"
+        cli, JAPAN_ARGS[:1] + JAPAN_ARGS[2:] + ["--no-stream"], input="What is the capital of Japan?"
     )
     assert result.exit_code == 0, result.output
-    assert "Paris" in result.stdout
+    assert "Tokyo" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -118,9 +118,9 @@ def run_edgeinfer(*args: str, stdin: str | None = None, **env: str) -> subproces
 
 
 def test_real_subprocess_answers_and_pipes():
-    proc = run_edgeinfer(*FRANCE_ARGS, "--stats")
+    proc = run_edgeinfer(*JAPAN_ARGS, "--stats")
     assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout and "TTFT" in proc.stderr
+    assert "Tokyo" in proc.stdout and "TTFT" in proc.stderr
 
 
 def test_real_subprocess_error_is_one_line(tmp_path):
@@ -139,9 +139,9 @@ def test_pull_then_run_by_hf_reference(model_path, tmp_path):
         assert pulled.returncode == 0, pulled.stderr
         path = pulled.stdout.strip()
         assert path.startswith(str(tmp_path)) and os.path.getsize(path) == model_path.stat().st_size
-        answered = run_edgeinfer(*FRANCE_ARGS, "--model", ref, **env)
+        answered = run_edgeinfer(*JAPAN_ARGS, "--model", ref, **env)
         assert answered.returncode == 0, answered.stderr
-        assert "Paris" in answered.stdout
+        assert "Tokyo" in answered.stdout
         listed = run_edgeinfer("list", **env)
         assert any(line.startswith(ref) and "yes" in line for line in listed.stdout.splitlines())
 
@@ -219,7 +219,7 @@ def test_context_full_keeps_the_partial_answer(runner):
 def test_a_full_disk_is_a_clear_error():
     with open("/dev/full", "w") as full:
         proc = subprocess.run(
-            [sys.executable, "-m", "edgeinfer", *FRANCE_ARGS],
+            [sys.executable, "-m", "edgeinfer", *JAPAN_ARGS],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,

@@ -10,23 +10,64 @@ import pytest
 
 from edgeinfer import ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
 
-from support import FRANCE, SYSTEM
+from support import JAPAN, MIN_MARGIN, SYSTEM, greedy_margins
 
 
-def test_france_is_answered_with_paris(engine):
-    result = engine.chat(FRANCE, temperature=0, max_tokens=32)
-    assert "Paris" in result.text
+def test_japan_is_answered_with_tokyo_by_a_wide_margin(engine):
+    result = engine.chat(JAPAN, temperature=0, max_tokens=32)
+    assert "Tokyo" in result.text
     assert result.finish_reason == "stop"
     assert result.backend == "llamacpp" and result.route == "local"
+    # The tests that expect Tokyo rely on this: no rounding of another CPU's kernels can flip a token.
+    assert greedy_margins(engine, JAPAN, result).min() > MIN_MARGIN
 
 
-def test_greedy_is_deterministic_and_independent_of_the_cache(engine):
-    first = engine.chat(FRANCE, temperature=0, max_tokens=32)
-    again = engine.chat(FRANCE, temperature=0, max_tokens=32)  # reuses the cached prompt
-    engine.reset()
-    fresh = engine.chat(FRANCE, temperature=0, max_tokens=32)
-    assert again.metrics.cached_tokens > 0 and fresh.metrics.cached_tokens == 0
-    assert first.tokens == again.tokens == fresh.tokens
+# A system prompt over two 16-token chunks: the questions' prompts share their first 36 tokens.
+ROBOT = (
+    "You are the voice of a small delivery robot in a busy office building. "
+    "Answer in one short, plain sentence, and never use lists."
+)
+QUESTIONS = ("Where are you going?", "What is the capital of France?", "Can you carry a box of books upstairs?")
+
+
+def _chat(question: str, *history: dict[str, str]) -> list[dict[str, str]]:
+    return [{"role": "system", "content": ROBOT}, *history, {"role": "user", "content": question}]
+
+
+def test_greedy_output_does_not_depend_on_what_the_cache_held(model_path):
+    # llama.cpp rounds a position differently depending on how many tokens one evaluation
+    # carries, so a reused prefix must end on a chunk boundary that a cold run also has.
+    # Log-probabilities are compared exactly: equal tokens alone could hide a different rounding.
+    with Engine(model_path, kv_budget="1024tok", threads=2, batch_size=16) as engine:
+
+        def answer(prompt):
+            result = engine.chat(prompt, temperature=0, max_tokens=12, ignore_eos=True)
+            return result.tokens, result.logprobs, result.metrics.cached_tokens
+
+        for i, question in enumerate(QUESTIONS):
+            prompt = _chat(question)
+            assert len(engine.tokenize(prompt)) > 2 * 16 + 1  # at least two chunk boundaries inside
+            engine.reset()
+            *cold, cached = answer(prompt)
+            assert cached == 0
+            *replayed, cached = answer(prompt)  # the same prompt again: nothing is evaluated
+            assert replayed == cold and cached == len(engine.tokenize(prompt))
+            answer(_chat(QUESTIONS[i - 1]))  # another question with the same system prompt
+            *after_other, cached = answer(prompt)
+            assert after_other == cold and cached >= 32
+            engine.reset()
+            assert [*answer(prompt)][:2] == cold
+
+        # A chat turn: the second prompt holds the first with its answer, all of it cached.
+        engine.reset()
+        first = engine.chat(_chat(QUESTIONS[0]), temperature=0, max_tokens=12)
+        second = _chat(
+            QUESTIONS[1], {"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": first.text}
+        )
+        *warm, cached = answer(second)
+        engine.reset()
+        *cold, _ = answer(second)
+        assert warm == cold and cached >= 32
 
 
 def test_same_seed_same_text_other_seed_other_text(engine):
@@ -39,24 +80,10 @@ def test_same_seed_same_text_other_seed_other_text(engine):
     assert runs[0].tokens != runs[2].tokens
 
 
-def test_second_turn_reuses_the_first_and_matches_a_fresh_prefill(engine):
-    first = engine.chat(FRANCE, temperature=0, max_tokens=32)
-    conversation = FRANCE + [
-        {"role": "assistant", "content": first.text},
-        {"role": "user", "content": "And what is the capital of Germany?"},
-    ]
-    warm = engine.chat(conversation, temperature=0, max_tokens=32)
-    engine.reset()
-    cold = engine.chat(conversation, temperature=0, max_tokens=32)
-    assert warm.metrics.cached_tokens > first.metrics.prompt_tokens // 2
-    assert warm.tokens == cold.tokens
-    assert "Berlin" in warm.text
-
-
 def test_stop_string_ends_the_answer_and_is_never_streamed(engine):
-    full = engine.chat(FRANCE, temperature=0, max_tokens=32).text
-    stop = "Paris"
-    stream = engine.stream(FRANCE, temperature=0, max_tokens=32, stop=[stop])
+    full = engine.chat(JAPAN, temperature=0, max_tokens=32).text
+    stop = "Tokyo"
+    stream = engine.stream(JAPAN, temperature=0, max_tokens=32, stop=[stop])
     chunks = list(stream)
     assert stream.result.finish_reason == "stop"
     assert "".join(chunks) == stream.result.text == full[: full.index(stop)]
@@ -70,9 +97,8 @@ def test_max_tokens_ends_with_length(engine):
 
 
 def test_stream_chunks_are_whole_characters(engine):
-    # SmolLM2's own system prompt makes it answer in accented French: multi-byte characters.
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    stream = engine.stream(messages, temperature=0, max_tokens=24)
+    # Each of these characters is 3 UTF-8 bytes, split across byte-level tokens.
+    stream = engine.stream("東京 東京 東京 東京 東京", temperature=0, max_tokens=12, ignore_eos=True)
     chunks = list(stream)
     text = stream.result.text
     assert any(ord(ch) > 127 for ch in text), text
@@ -82,7 +108,7 @@ def test_stream_chunks_are_whole_characters(engine):
 
 def test_metrics_cover_every_stage(engine):
     engine.reset()
-    m = engine.chat(FRANCE, temperature=0, max_tokens=16, ignore_eos=True).metrics
+    m = engine.chat(JAPAN, temperature=0, max_tokens=16, ignore_eos=True).metrics
     assert m.prompt_tokens > 10 and m.output_tokens == 16
     for stage in (m.tokenize_s, m.prefill_s, m.decode_s, m.sample_s, m.detokenize_s, m.ttft_s, m.tpot_s):
         assert stage > 0
@@ -90,6 +116,9 @@ def test_metrics_cover_every_stage(engine):
     assert m.tokens_per_s > 1 and m.prefill_tokens_per_s > 1
     assert m.kv_used == m.prompt_tokens + 15 and m.kv_capacity == engine.capacity == 2048
     assert set(m.to_dict()) >= {"ttft_s", "tpot_s", "tokens_per_s", "kv_used", "kv_capacity"}
+    assert "prefill: " in m.format() and "tok/s" in m.format().split("prefill: ")[1]
+    replay = engine.chat(JAPAN, temperature=0, max_tokens=16, ignore_eos=True).metrics
+    assert replay.cached_tokens == replay.prompt_tokens and "prefill: nothing evaluated" in replay.format()
 
 
 def test_cancel_from_another_thread_stops_the_stream(engine):
@@ -110,9 +139,9 @@ def test_a_second_stream_in_the_same_thread_is_refused_not_deadlocked(engine):
 
 
 async def test_async_twins(engine):
-    result = await engine.achat(FRANCE, temperature=0, max_tokens=32)
-    assert "Paris" in result.text
-    pieces = [p async for p in engine.astream(FRANCE, temperature=0, max_tokens=32)]
+    result = await engine.achat(JAPAN, temperature=0, max_tokens=32)
+    assert "Tokyo" in result.text
+    pieces = [p async for p in engine.astream(JAPAN, temperature=0, max_tokens=32)]
     assert "".join(pieces) == result.text
 
 
@@ -224,7 +253,7 @@ def test_byte_budget_and_q8_kv_cache(model_path):
         assert f16.capacity == 2560
     with Engine(model_path, kv_budget="64MB", kv_type="q8_0", threads=2) as q8:
         assert q8.capacity == 5120
-        assert "Paris" in q8.chat(FRANCE, temperature=0, max_tokens=32).text
+        assert "Tokyo" in q8.chat(JAPAN, temperature=0, max_tokens=32).text
         long = q8.generate("Once upon a time", max_tokens=300, ignore_eos=True, seed=2)
         assert long.metrics.output_tokens == 300
 
@@ -237,7 +266,7 @@ def test_budget_below_one_block_is_a_clear_error(model_path):
 
 
 def test_system_prompt_reaches_the_model(engine):
-    rendered = engine.render(FRANCE)
+    rendered = engine.render(JAPAN)
     assert SYSTEM in rendered and rendered.endswith("<|im_start|>assistant\n")
 
 

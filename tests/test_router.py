@@ -30,11 +30,11 @@ from edgeinfer.signals import (
 )
 
 from openai_server import OpenAIServer
-from support import FRANCE, SYSTEM
+from support import JAPAN, SYSTEM
 
-CLOUD_ANSWER = "The cloud says the capital of France is Paris, on the Seine."
+CLOUD_ANSWER = "The cloud says it is the city once called Edo, renamed in 1868."
 KEY = "sk-router-test-0123456789abcdef"
-PARIS = dict(temperature=0, max_tokens=24)
+ANSWER = dict(temperature=0, max_tokens=24)
 SHORT = dict(temperature=0, max_tokens=4)  # where only the route matters
 
 
@@ -55,9 +55,9 @@ def make_router(engine, server):
 
 
 @pytest.fixture(scope="module")
-def local_paris(engine):
+def local_answer(engine):
     """What the local model says on its own, to compare routed local answers against."""
-    return engine.chat(FRANCE, **PARIS).text
+    return engine.chat(JAPAN, **ANSWER).text
 
 
 def streamed(stream):
@@ -69,31 +69,31 @@ def streamed(stream):
 # -- policies ----------------------------------------------------------------------------------
 
 
-def test_local_policy_never_calls_the_cloud(make_router, server, local_paris):
-    result = make_router("local").chat(FRANCE, **PARIS)
+def test_local_policy_never_calls_the_cloud(make_router, server, local_answer):
+    result = make_router("local").chat(JAPAN, **ANSWER)
     assert result.route == "local" and result.reason == "policy: local" and not result.degraded
-    assert result.text == local_paris and "Paris" in result.text
+    assert result.text == local_answer and "Tokyo" in result.text
     assert result.local_usage.completion_tokens == len(result.tokens) > 0 and result.cloud_cost == 0
     assert server.requests == []
 
 
 def test_cloud_policy_streams_the_cloud_answer_with_usage_cost_and_timings(make_router, server):
     router = make_router("cloud", price_per_1k_input=1.0, price_per_1k_output=2.0)
-    chunks, result = streamed(router.stream(FRANCE, **PARIS))
+    chunks, result = streamed(router.stream(JAPAN, **ANSWER))
     assert result.text == CLOUD_ANSWER and len(chunks) > 5
     assert (result.route, result.backend, result.model, result.finish_reason) == ("cloud", "cloud", "oracle-1", "stop")
     usage = result.cloud_usage
     assert usage.completion_tokens == len(chunks) and usage.prompt_tokens > 0 and not usage.estimated
     assert result.cloud_cost == pytest.approx((usage.prompt_tokens + 2 * usage.completion_tokens) / 1000)
     assert 0 < result.metrics.ttft_s <= result.metrics.total_s
-    assert server.requests[0].body["messages"] == FRANCE and server.requests[0].body["max_tokens"] == 24
+    assert server.requests[0].body["messages"] == JAPAN and server.requests[0].body["max_tokens"] == 24
     assert result.to_dict()["reason"] == "policy: cloud"
 
 
-def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(make_router, server, local_paris):
+def test_auto_keeps_an_easy_question_local_and_judges_it_on_its_first_tokens(make_router, server, local_answer):
     router = make_router(Policy("auto", threshold=0.9, probe_tokens=4))
-    chunks, result = streamed(router.stream(FRANCE, **PARIS))
-    assert result.route == "local" and result.text == local_paris and server.requests == []
+    chunks, result = streamed(router.stream(JAPAN, **ANSWER))
+    assert result.route == "local" and result.text == local_answer and server.requests == []
     assert set(result.signals) == set(WEIGHTS) - {"disagreement"}  # that one needs Policy(samples=N)
     assert 0 < result.signals["perplexity"] < 1 and result.score < 0.9
     # The probe's confidence is judged on the first 4 tokens only.
@@ -107,7 +107,7 @@ def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, se
     sample = router_module.sample_answers
     monkeypatch.setattr(router_module, "sample_answers", lambda *args: drawn.append(1) or sample(*args))
     router = make_router(Policy("auto", threshold=0.5, samples=2))
-    result = router.chat([{"role": "user", "content": "What is 4738 * 2913 - 18457?"}], **PARIS)
+    result = router.chat([{"role": "user", "content": "What is 4738 * 2913 - 18457?"}], **ANSWER)
     assert result.route == "cloud" and result.text == CLOUD_ANSWER
     assert "arithmetic 1.00" in result.reason and "uncertainty" not in result.signals
     assert drawn == [] and "disagreement" not in result.signals  # no samples for a prompt already escalated
@@ -116,56 +116,58 @@ def test_auto_sends_a_hard_prompt_to_the_cloud_before_generating(make_router, se
 
 @pytest.fixture(scope="module")
 def unsure(engine):
-    """A policy that lets FRANCE through before generating but escalates it after a 6-token probe."""
-    probe = assess(engine, FRANCE, policy=Policy(probe_tokens=6), **PARIS)
+    """A policy that lets JAPAN through before generating but escalates it after a 6-token probe."""
+    probe = assess(engine, JAPAN, policy=Policy(probe_tokens=6), **ANSWER)
     assert probe.signals["uncertainty"] > 0 and probe.signals["entropy"] > 0
     before = probe.score - sum(WEIGHTS[name] * probe.signals[name] for name in ("uncertainty", "entropy"))
     return Policy("auto", threshold=(before + probe.score) / 2, probe_tokens=6)
 
 
 def test_auto_escalates_on_low_confidence_and_the_caller_sees_only_the_cloud(make_router, server, engine, unsure):
-    chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
+    chunks, result = streamed(make_router(unsure).stream(JAPAN, **ANSWER))
     assert result.route == "cloud" and result.text == CLOUD_ANSWER and not result.degraded
     assert "after 6 local tokens" in result.reason
     assert result.local_usage.completion_tokens == 6
     assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1  # the probe let go of the engine
 
 
-def test_an_escalated_probe_resumes_locally_when_the_cloud_fails(make_router, server, local_paris, unsure):
+def test_an_escalated_probe_resumes_locally_when_the_cloud_fails(make_router, server, local_answer, unsure):
     server.fail("status", status=503, times=2)
-    chunks, result = streamed(make_router(unsure).stream(FRANCE, **PARIS))
-    assert result.route == "local" and result.degraded and result.text == local_paris  # the held tokens too
+    chunks, result = streamed(make_router(unsure).stream(JAPAN, **ANSWER))
+    assert result.route == "local" and result.degraded and result.text == local_answer  # the held tokens too
     assert "after 6 local tokens" in result.reason and "the cloud failed (server" in result.reason
 
 
-def test_samples_add_disagreement_and_leave_the_answer_alone(make_router, server, engine, local_paris):
+def test_samples_add_disagreement_and_leave_the_answer_alone(make_router, server, engine, local_answer):
     policy = Policy("auto", threshold=10.0, samples=2, sample_tokens=8)
-    chunks, result = streamed(make_router(policy).stream(FRANCE, **PARIS))
-    assert result.route == "local" and result.text == local_paris and server.requests == []
+    chunks, result = streamed(make_router(policy).stream(JAPAN, **ANSWER))
+    assert result.route == "local" and result.text == local_answer and server.requests == []
     # The same seeded samples, drawn again, and the probe's 16 tokens give the same signal.
-    samples = [engine.chat(FRANCE, temperature=0.7, max_tokens=8, seed=seed).text for seed in (0, 1)]
+    samples = [engine.chat(JAPAN, temperature=0.7, max_tokens=8, seed=seed).text for seed in (0, 1)]
     assert all(0 < len(engine.tokenizer.encode(text, add_special=False)) <= 8 for text in samples)
     probe = engine.tokenizer.decode(result.tokens[:16])
-    expected = disagreement_signal(FRANCE[-1]["content"], [probe, *samples])
+    expected = disagreement_signal(JAPAN[-1]["content"], [probe, *samples])
     assert 0.0 <= result.signals["disagreement"] <= 1.0
     assert result.signals["disagreement"] == pytest.approx(expected)
-    assert assess(engine, FRANCE, policy=policy, **PARIS).signals["disagreement"] == pytest.approx(expected)
+    assert assess(engine, JAPAN, policy=policy, **ANSWER).signals["disagreement"] == pytest.approx(expected)
 
 
-def test_disagreement_can_tip_a_probe_to_the_cloud(make_router, server, engine, local_paris):
-    found = assess(engine, FRANCE, policy=Policy(samples=2, sample_tokens=8), **PARIS)
+def test_disagreement_can_tip_a_probe_to_the_cloud(make_router, server, engine):
+    # An open question, so that samples at temperature 0.7 name different places whatever the build.
+    places = [JAPAN[0], {"role": "user", "content": "Name a place you would like to visit."}]
+    found = assess(engine, places, policy=Policy(samples=2, sample_tokens=8), **ANSWER)
     added = WEIGHTS["disagreement"] * found.signals["disagreement"]
     assert added > 0
     between = found.score - added / 2  # over the score without disagreement, under the one with it
-    alone = make_router(Policy("auto", threshold=between)).chat(FRANCE, **PARIS)
-    assert alone.route == "local" and alone.text == local_paris
-    sampled = make_router(Policy("auto", threshold=between, samples=2, sample_tokens=8)).chat(FRANCE, **PARIS)
+    alone = make_router(Policy("auto", threshold=between)).chat(places, **ANSWER)
+    assert alone.route == "local" and alone.text == engine.chat(places, **ANSWER).text
+    sampled = make_router(Policy("auto", threshold=between, samples=2, sample_tokens=8)).chat(places, **ANSWER)
     assert sampled.route == "cloud" and sampled.text == CLOUD_ANSWER and "disagreement" in sampled.reason
     assert sampled.score == pytest.approx(found.score)
 
 
 def test_a_stream_cancelled_before_it_starts_does_no_local_work(make_router, server, engine):
-    stream = make_router(Policy("auto", threshold=10.0, samples=2)).stream(FRANCE, **PARIS)
+    stream = make_router(Policy("auto", threshold=10.0, samples=2)).stream(JAPAN, **ANSWER)
     stream.cancel()
     chunks, result = streamed(stream)
     assert chunks == [] and result.finish_reason == "cancelled" and result.route == "local"
@@ -221,32 +223,32 @@ def test_user_privacy_patterns_and_no_false_alarm_on_sums(engine, server):
         ("error_event", dict(after=0, times=2), "server"),
     ],
 )
-def test_a_failing_cloud_means_a_degraded_local_answer(make_router, server, local_paris, fault, options, kind):
+def test_a_failing_cloud_means_a_degraded_local_answer(make_router, server, local_answer, fault, options, kind):
     server.fail(fault, **options)
-    chunks, result = streamed(make_router("cloud").stream(FRANCE, **PARIS))
-    assert result.route == "local" and result.degraded and result.text == local_paris
+    chunks, result = streamed(make_router("cloud").stream(JAPAN, **ANSWER))
+    assert result.route == "local" and result.degraded and result.text == local_answer
     assert f"the cloud failed ({kind}" in result.reason and KEY not in result.reason
 
 
 @pytest.mark.parametrize("call", ["chat", "stream"])
-def test_invalid_json_from_the_cloud_means_a_degraded_local_answer(make_router, server, local_paris, call):
+def test_invalid_json_from_the_cloud_means_a_degraded_local_answer(make_router, server, local_answer, call):
     server.fail("invalid_json")
     router = make_router("cloud")
-    result = router.chat(FRANCE, **PARIS) if call == "chat" else streamed(router.stream(FRANCE, **PARIS))[1]
-    assert result.route == "local" and result.degraded and result.text == local_paris
+    result = router.chat(JAPAN, **ANSWER) if call == "chat" else streamed(router.stream(JAPAN, **ANSWER))[1]
+    assert result.route == "local" and result.degraded and result.text == local_answer
     assert "protocol" in result.reason
 
 
 def test_a_short_retry_after_is_waited_out_and_the_cloud_answers(make_router, server):
     server.fail("status", status=429, retry_after=0.2)
-    result = make_router("cloud").chat(FRANCE, **PARIS)
+    result = make_router("cloud").chat(JAPAN, **ANSWER)
     assert result.route == "cloud" and not result.degraded and len(server.requests) == 2
 
 
 @pytest.mark.parametrize("fault", ["drop", "malformed", "error_event"])
 def test_a_cloud_stream_broken_mid_answer_is_finished_locally_without_repeats(make_router, server, fault):
     server.fail(fault, after=3)
-    chunks, result = streamed(make_router("cloud").stream(FRANCE, **PARIS))
+    chunks, result = streamed(make_router("cloud").stream(JAPAN, **ANSWER))
     cloud_part = " ".join(CLOUD_ANSWER.split(" ")[:3]) + " "
     assert chunks[:3] == [w + " " for w in CLOUD_ANSWER.split(" ")[:3]]
     assert result.text.startswith(cloud_part) and len(result.text) > len(cloud_part)
@@ -256,8 +258,8 @@ def test_a_cloud_stream_broken_mid_answer_is_finished_locally_without_repeats(ma
 def test_an_open_breaker_keeps_calls_local_without_requests(make_router, server):
     router = make_router("cloud", max_retries=0, breaker_failures=1, breaker_cooldown_s=60)
     server.fail("status", status=500)
-    assert router.chat(FRANCE, **SHORT).degraded
-    result = router.chat(FRANCE, **SHORT)
+    assert router.chat(JAPAN, **SHORT).degraded
+    result = router.chat(JAPAN, **SHORT)
     assert result.route == "local" and "cooling down" in result.reason and len(server.requests) == 1
 
 
@@ -272,7 +274,7 @@ def tiny_engine(model_path):
 
 def test_a_local_context_full_goes_to_the_cloud(make_router, server, tiny_engine):
     router = make_router("local", local=tiny_engine)
-    result = router.chat([{"role": "user", "content": "Tell me about " + "big cities, " * 30}], **PARIS)
+    result = router.chat([{"role": "user", "content": "Tell me about " + "big cities, " * 30}], **ANSWER)
     assert result.route == "cloud" and result.degraded and "ContextFull" in result.reason
     assert result.text == CLOUD_ANSWER
 
@@ -290,7 +292,7 @@ def test_a_local_failure_mid_answer_is_continued_by_the_cloud(make_router, serve
 def test_a_private_prompt_is_never_sent_even_when_local_fails(make_router, server, tiny_engine):
     router = make_router("cloud", local=tiny_engine)
     with pytest.raises(ContextFull):
-        router.chat([{"role": "user", "content": "jane@example.com " + "hello " * 60}], **PARIS)
+        router.chat([{"role": "user", "content": "jane@example.com " + "hello " * 60}], **ANSWER)
     assert server.requests == []
 
 
@@ -300,14 +302,14 @@ def test_a_private_prompt_is_never_sent_even_when_local_fails(make_router, serve
 def test_the_budget_caps_cloud_requests_and_tokens(engine, server):
     cloud = CloudModel(server.url, "oracle")
     by_requests = Router(engine, cloud, policy="cloud", budget=Budget(max_requests=1, window_s=60))
-    assert by_requests.chat(FRANCE, **SHORT).route == "cloud"
-    second = by_requests.chat(FRANCE, **SHORT)
+    assert by_requests.chat(JAPAN, **SHORT).route == "cloud"
+    second = by_requests.chat(JAPAN, **SHORT)
     assert second.route == "local" and "budget of 1 requests" in second.reason
     by_tokens = Router(engine, cloud, policy="cloud", budget=Budget(max_tokens=5, window_s=0.5))
-    assert by_tokens.chat(FRANCE, **SHORT).route == "cloud"
-    assert "budget of 5 tokens" in by_tokens.chat(FRANCE, **SHORT).reason
+    assert by_tokens.chat(JAPAN, **SHORT).route == "cloud"
+    assert "budget of 5 tokens" in by_tokens.chat(JAPAN, **SHORT).reason
     time.sleep(0.55)  # the window slides on
-    assert by_tokens.chat(FRANCE, **SHORT).route == "cloud"
+    assert by_tokens.chat(JAPAN, **SHORT).route == "cloud"
 
 
 # -- cancelling --------------------------------------------------------------------------------
@@ -315,7 +317,7 @@ def test_the_budget_caps_cloud_requests_and_tokens(engine, server):
 
 def test_cancelling_a_cloud_stream_stops_the_server(make_router, server):
     server.fail("slow", seconds=0.2)
-    stream = make_router("cloud", read_timeout=5).stream(FRANCE, **PARIS)
+    stream = make_router("cloud", read_timeout=5).stream(JAPAN, **ANSWER)
     next(stream)
     threading.Timer(0.05, stream.cancel).start()
     rest = list(stream)
@@ -357,13 +359,13 @@ def test_cancelling_while_sampling_stops_the_sample_and_draws_no_more(make_route
     assert server.requests == []
 
 
-async def test_async_twins_and_cancelling_the_task(make_router, server, local_paris):
+async def test_async_twins_and_cancelling_the_task(make_router, server, local_answer):
     router = make_router("local")
-    assert (await router.achat(FRANCE, **PARIS)).text == local_paris
-    pieces = [p async for p in router.astream(FRANCE, **PARIS)]
-    assert "".join(pieces) == local_paris
+    assert (await router.achat(JAPAN, **ANSWER)).text == local_answer
+    pieces = [p async for p in router.astream(JAPAN, **ANSWER)]
+    assert "".join(pieces) == local_answer
     server.fail("slow", seconds=0.3)
-    task = asyncio.create_task(make_router("cloud", read_timeout=5).achat(FRANCE, **PARIS))
+    task = asyncio.create_task(make_router("cloud", read_timeout=5).achat(JAPAN, **ANSWER))
     await asyncio.sleep(0.4)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -377,7 +379,7 @@ async def test_async_twins_and_cancelling_the_task(make_router, server, local_pa
 def test_bad_arguments_are_one_line_errors(make_router):
     router = make_router("cloud")
     with pytest.raises(Exception, match="unknown sampling option temprature"):
-        router.chat(FRANCE, temprature=0)
+        router.chat(JAPAN, temprature=0)
     with pytest.raises(Exception, match="unknown routing policy"):
         Policy("sometimes")
     with pytest.raises(InvalidOptionError, match="samples must be 0 or more"):
@@ -392,7 +394,7 @@ def test_bad_arguments_are_one_line_errors(make_router):
 # -- the command line --------------------------------------------------------------------------
 
 
-RUN = ["run", "What is the capital of France?", "--system", SYSTEM, "--temperature", "0", "--max-tokens", "24"]
+RUN = ["run", "What is the capital of Japan?", "--system", SYSTEM, "--temperature", "0", "--max-tokens", "24"]
 RUN += ["--threads", "2", "--kv-budget", "512tok"]
 
 
@@ -420,7 +422,7 @@ def test_cli_takes_the_cloud_from_the_environment_and_degrades_quietly(server, m
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["route"] == "local" and payload["degraded"] and "auth" in payload["reason"]
-    assert "Paris" in payload["text"] and "route: local (degraded)" in result.stderr
+    assert "Tokyo" in payload["text"] and "route: local (degraded)" in result.stderr
     assert KEY not in result.output and server.requests[0].body["model"] == "env-model"
 
 
@@ -429,7 +431,7 @@ def test_cli_auto_with_samples_judges_locally_and_reports_the_signals(server):
     result = CliRunner().invoke(cli, [*RUN, *args, "--route-samples", "2", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["route"] == "local" and "Paris" in payload["text"] and server.requests == []
+    assert payload["route"] == "local" and "Tokyo" in payload["text"] and server.requests == []
     assert 0.0 <= payload["signals"]["disagreement"] <= 1.0
 
 
@@ -471,27 +473,35 @@ def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
 
 def test_engine_log_probs_match_a_fresh_full_evaluation(engine):
     engine.reset()
-    result = engine.chat(FRANCE, **PARIS)
+    result = engine.chat(JAPAN, **ANSWER)
     assert len(result.logprobs) == len(result.tokens) and all(lp <= 0 for lp in result.logprobs)
-    scored = engine.prompt_logprobs(FRANCE, start=5)
-    tokens = engine.tokenize(FRANCE)
+    scored = engine.prompt_logprobs(JAPAN, start=5)
+    tokens = engine.tokenize(JAPAN)
     assert len(scored) == len(tokens) - 5
     engine.reset()
     rows = engine.backend.eval(tokens, 0, all_logits=True).astype(np.float64)
     engine.reset()
     reference = [rows[i - 1][tokens[i]] - np.log(np.exp(rows[i - 1]).sum()) for i in range(5, len(tokens))]
-    assert np.allclose(engine.prompt_logprobs(FRANCE, start=5), reference, atol=1e-3)
-    # The scored prompt stays cached: the answer after it evaluates only the last prompt token.
-    assert engine.chat(FRANCE, **PARIS).metrics.cached_tokens == len(tokens) - 1
+    assert np.allclose(engine.prompt_logprobs(JAPAN, start=5), reference, atol=1e-3)
+    # The scored prompt stays cached: the answer after it reuses its whole chunks, and is the cold answer.
+    long = [{"role": "system", "content": SYSTEM + " Keep your answers short and plain." * 12}, JAPAN[-1]]
+    engine.reset()
+    cold = engine.chat(long, **ANSWER)
+    engine.reset()
+    engine.prompt_logprobs(long)
+    warm = engine.chat(long, **ANSWER)
+    n_tokens = len(engine.tokenize(long))
+    assert warm.metrics.cached_tokens == (n_tokens - 1) // engine.batch_size * engine.batch_size > 0
+    assert warm.logprobs == cold.logprobs
 
 
 def test_engine_token_confidence_matches_the_logits_each_token_was_drawn_from(engine):
     engine.reset()
-    result = engine.chat(FRANCE, **PARIS)
+    result = engine.chat(JAPAN, **ANSWER)
     assert len(result.entropies) == len(result.logprobs) == len(result.tokens) > 3
     # Replay the decode loop's own evaluations (the prompt in one batch, then a token at a time:
     # batched and single-token kernels round differently) and score them independently.
-    prompt = engine.tokenize(FRANCE)
+    prompt = engine.tokenize(JAPAN)
     engine.reset()
     rows = [np.array(engine.backend.eval(prompt, 0))]  # copies: the backend reuses its logits buffer
     for position, token in enumerate(result.tokens[:-1], len(prompt)):
@@ -506,11 +516,11 @@ def test_engine_token_confidence_matches_the_logits_each_token_was_drawn_from(en
 
 
 def test_size_counts_the_users_message_alone(engine):
-    question = FRANCE[-1]["content"]
+    question = JAPAN[-1]["content"]
     params = SamplingParams(max_tokens=16)
-    history = [FRANCE[0], {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello!"}]
-    first = prompt_signals(engine, FRANCE, params)
-    later = prompt_signals(engine, [*history, FRANCE[-1]], params)
+    history = [JAPAN[0], {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello!"}]
+    first = prompt_signals(engine, JAPAN, params)
+    later = prompt_signals(engine, [*history, JAPAN[-1]], params)
     assert first["size"] == later["size"] == len(engine.tokenizer.encode(question, add_special=False)) / 64
     assert first["length"] < later["length"]  # the earlier turns do take room in the cache
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from edgeinfer import BackendUnavailableError, Engine, InsufficientMemoryError
-from edgeinfer.buildflags import cpu_flags, rebuild_command, safe_cmake_args
+from edgeinfer.buildflags import contrast_cmake_args, cpu_flags, rebuild_command, safe_cmake_args
 from edgeinfer.models.info import load_model_info
 from edgeinfer.system import (
     INTERESTING_CPU_FLAGS,
@@ -56,6 +56,21 @@ def test_build_flags_turn_amx_off_only_where_the_cpu_reports_it():
     assert "-DGGML_AVX512=ON" in args and "-DGGML_AVX512_BF16=OFF" in args
     assert safe_cmake_args({"avx", "avx2"}) == ""  # no AMX: the native build is right
     assert "--no-cache-dir" in rebuild_command(amx_cpu)
+
+
+def test_contrast_build_is_one_instruction_set_tier_below_the_cpu():
+    base = {"avx", "avx2", "fma", "f16c", "bmi2"}
+    avx512 = contrast_cmake_args(base | {"avx512f", "avx512vbmi", "avx512_vnni", "amx_tile"})
+    assert "-DGGML_NATIVE=OFF" in avx512 and "-DGGML_AVX2=ON" in avx512 and "-DGGML_FMA=ON" in avx512
+    assert "-DGGML_AVX512=OFF" in avx512 and "-DGGML_AVX512_VNNI=OFF" in avx512 and "-DGGML_AMX_INT8=OFF" in avx512
+    avx2 = contrast_cmake_args(base)
+    assert "-DGGML_AVX=ON" in avx2 and "-DGGML_AVX2=OFF" in avx2 and "-DGGML_FMA=OFF" in avx2
+    assert "=ON" not in contrast_cmake_args({"sse4_2"})
+    # What this machine's CI builds: never an instruction set the CPU lacks.
+    here = cpu_flags()
+    for flag, option in (("avx512f", "GGML_AVX512"), ("avx2", "GGML_AVX2"), ("avx", "GGML_AVX")):
+        if f"-D{option}=ON" in contrast_cmake_args():
+            assert flag in here
 
 
 def test_memory_estimate_and_refusal(model_path):

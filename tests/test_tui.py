@@ -21,14 +21,14 @@ from edgeinfer.tui.widgets import PromptInput
 from openai_server import OpenAIServer
 from support import SYSTEM
 
-FRANCE = "What is the capital of France?"
+JAPAN = "What is the capital of Japan?"
 STORY = "Write a very long story about a robot who learns to paint, with many chapters."
 SIZE = (100, 40)
 
 
 @pytest.fixture
 def settings(model_path) -> ChatSettings:
-    # Greedy with the tests' system prompt: the France question answers "Paris". One thread:
+    # Greedy with the tests' system prompt, JAPAN answers "Tokyo" by a wide margin (support.JAPAN). One thread:
     # the UI needs the other core, and the tests' machine is shared.
     return ChatSettings(
         model=str(model_path), system=SYSTEM, temperature=0, max_tokens=32, kv_budget="2048tok", threads=1
@@ -83,12 +83,12 @@ async def test_typing_a_prompt_streams_a_markdown_answer_and_updates_the_stats(s
         assert "SmolLM2-135M-Instruct" in app.status.text and "route local" in app.status.text
         assert app.status.stats.ram_bytes > 50 * 2**20  # the model is mapped in
         await pilot.click("#prompt")
-        await pilot.press(*FRANCE, "enter")  # typed key by key, as a person would
+        await pilot.press(*JAPAN, "enter")  # typed key by key, as a person would
         await until(pilot, lambda: bool(answers(app)) and not app.answering, "the answer")
 
-        assert "Paris" in answers(app)[-1]
+        assert "Tokyo" in answers(app)[-1]
         assert app.messages == [
-            {"role": "user", "content": FRANCE},
+            {"role": "user", "content": JAPAN},
             {"role": "assistant", "content": answers(app)[-1]},
         ]
         stats = app.status.stats
@@ -100,7 +100,7 @@ async def test_typing_a_prompt_streams_a_markdown_answer_and_updates_the_stats(s
         prompt = app.query_one(PromptInput)
         assert prompt.value == ""
         await pilot.press("up")
-        assert prompt.value == FRANCE
+        assert prompt.value == JAPAN
         await pilot.press("down")
         assert prompt.value == ""
 
@@ -140,7 +140,7 @@ async def test_an_answer_can_be_cancelled_mid_stream_and_the_chat_goes_on(settin
         assert app.messages == [] and answers(app) == [] and said(app) == ["New conversation."]
         assert app.engine is not None and app.engine.kv_used == 0 == app.status.stats.kv_used
         await send(pilot, "/max-tokens 32")
-        assert "Paris" in await answer(pilot, FRANCE)
+        assert "Tokyo" in await answer(pilot, JAPAN)
 
 
 async def test_quitting_mid_answer_stops_the_generation_and_frees_the_model(settings):
@@ -163,7 +163,7 @@ async def test_save_a_transcript_and_load_it_back(settings, tmp_path):
     app = ChatApp(settings)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        paris = await answer(pilot, FRANCE)
+        tokyo = await answer(pilot, JAPAN)
         await send(pilot, f"/save {tmp_path / 'chat.json'}")
         await send(pilot, f"/save {tmp_path / 'chat.md'}")
         assert said(app)[-2:] == [f"Saved 2 messages to {tmp_path / name}." for name in ("chat.json", "chat.md")]
@@ -171,12 +171,12 @@ async def test_save_a_transcript_and_load_it_back(settings, tmp_path):
         saved = json.loads((tmp_path / "chat.json").read_text())
         assert saved["messages"] == [
             {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": FRANCE},
-            {"role": "assistant", "content": paris},
+            {"role": "user", "content": JAPAN},
+            {"role": "assistant", "content": tokyo},
         ]
         assert saved["settings"]["temperature"] == 0 and saved["settings"]["max_tokens"] == 32
         markdown = (tmp_path / "chat.md").read_text()
-        assert f"## You\n\n{FRANCE}" in markdown and "Paris" in markdown.split("## Assistant")[1]
+        assert f"## You\n\n{JAPAN}" in markdown and "Tokyo" in markdown.split("## Assistant")[1]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "chat.md"]  # no temp files left
 
         await send(pilot, f"/save {tmp_path / 'missing-dir' / 'chat.json'}")
@@ -195,7 +195,7 @@ async def test_save_a_transcript_and_load_it_back(settings, tmp_path):
         await pilot.pause()
         assert app.messages == saved["messages"][1:]
         assert app.settings.system == SYSTEM and app.settings.temperature == 0
-        assert answers(app) == [paris]
+        assert answers(app) == [tokyo]
         assert said(app)[-1] == f"Loaded 2 messages from {tmp_path / 'chat.json'}."
         follow_up = await answer(pilot, "And what is the capital of Italy?")
         assert follow_up and app.messages[-1] == {"role": "assistant", "content": follow_up}
@@ -208,12 +208,12 @@ async def test_a_missing_model_is_an_error_in_the_chat_and_the_app_goes_on(setti
         await ready(pilot)
         assert len(errors(app)) == 1 and "/nonexistent.gguf" in errors(app)[0]
         assert "Traceback" not in errors(app)[0] and app.status.stats.state == "no model"
-        await send(pilot, FRANCE)
+        await send(pilot, JAPAN)
         assert said(app)[-1] == "No model is loaded: load one with /model NAME."
 
         await send(pilot, f"/model {model_path}")
         await ready(pilot)
-        assert "Paris" in await answer(pilot, FRANCE)
+        assert "Tokyo" in await answer(pilot, JAPAN)
 
         # A bad /model leaves the chat on the model it had.
         await send(pilot, "/model /nonexistent.gguf")
@@ -221,7 +221,7 @@ async def test_a_missing_model_is_an_error_in_the_chat_and_the_app_goes_on(setti
         await until(pilot, lambda: said(app)[-1].startswith("Loaded"), "the old model to come back")
         assert len(errors(app)) == 2 and "/nonexistent.gguf" in errors(app)[1]
         assert app.settings.model == str(model_path)
-        assert "Paris" in await answer(pilot, FRANCE)
+        assert "Tokyo" in await answer(pilot, JAPAN)
 
 
 async def test_a_full_kv_cache_under_the_error_policy_is_a_message(settings):
@@ -285,22 +285,22 @@ def test_the_chat_command_refuses_what_it_cannot_do():
 
 
 async def test_the_route_shows_where_each_answer_came_from_and_why(settings):
-    with OpenAIServer(default_answer="The cloud says the capital of France is Paris.") as server:
+    with OpenAIServer(default_answer="The cloud says hello from far away.") as server:
         routed = settings.replace(route="cloud", cloud_url=server.url, cloud_model="oracle")
         app = ChatApp(routed)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
-            assert "The cloud says" in await answer(pilot, FRANCE)
+            assert "The cloud says" in await answer(pilot, JAPAN)
             assert app.status.stats.route == "cloud" and "route cloud (" in app.status.text
             assert len(server.requests) == 1
 
             server.fail("status", status=500)  # the cloud fails: the local model answers, marked degraded
             server.fail("status", status=500)
             server.fail("status", status=500)
-            assert "Paris" in await answer(pilot, FRANCE)
+            assert "Tokyo" in await answer(pilot, JAPAN)
             assert app.status.stats.route == "local" and errors(app) == []
 
             await send(pilot, "/route local")
             await ready(pilot)
-            assert "Paris" in await answer(pilot, FRANCE)
+            assert "Tokyo" in await answer(pilot, JAPAN)
             assert len(server.requests) <= 4 and app.status.stats.route == "local"
