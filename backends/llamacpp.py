@@ -168,6 +168,7 @@ class LlamaCppBackend:
         return self._n_vocab
 
     def eval(self, tokens: Sequence[int], start: int, *, all_logits: bool = False) -> np.ndarray:
+        self._check_open()
         lib, batch, n = self._lib, self._batch, len(tokens)
         if n == 0:
             raise BackendError("eval needs at least one token")
@@ -195,13 +196,21 @@ class LlamaCppBackend:
         return np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
 
     def truncate(self, n: int) -> None:
+        self._check_open()
         if not self._lib.llama_memory_seq_rm(self._memory, 0, n, -1):
             raise BackendError(f"llama.cpp cannot remove positions from {n} on from this model's cache")
 
     def evict(self, start: int, end: int) -> None:
+        self._check_open()
         if not self._lib.llama_memory_seq_rm(self._memory, 0, start, end):
             raise BackendError(f"llama.cpp cannot remove positions {start}..{end - 1} from this model's cache")
         self._lib.llama_memory_seq_add(self._memory, 0, end, -1, start - end)
+
+    def _check_open(self) -> None:
+        # A call on freed native memory would crash the process; the engine never makes one, a caller holding
+        # the backend past Engine.close() might.
+        if not self._ctx:
+            raise BackendError("this llama.cpp context is closed (its engine was closed); create a new Engine")
 
     def close(self) -> None:
         lib = self._lib

@@ -21,6 +21,7 @@ from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, get_tensor_name_map
 
 from edgeinfer.errors import ConversionError
 from edgeinfer.models.arch import ARCHITECTURES, Architecture, HParams, expected_tensors, tensor_name
+from edgeinfer.models.gguf_file import GGUF_MAGIC
 
 SUPPORTED_CLASSES = {cls: arch for arch in ARCHITECTURES.values() for cls in arch.hf_classes}
 # Safetensors dtypes we read, with their numpy storage type; BF16 is widened by hand.
@@ -28,6 +29,9 @@ DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "
 # Buffers some checkpoints save that are not weights (recomputed from config.json).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 MAX_HEADER = 100 << 20
+# What models/arch.py accepts when a GGUF is loaded: a file outside these would convert and then load nowhere.
+ROPE_THETA_RANGE = (1.0, float(1 << 40))
+RMS_EPS_RANGE = (1e-12, 1.0)
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,9 @@ class Checkpoint:
         self.config = read_json(self.folder / "config.json")
         self.arch = architecture(self.config, self.folder)
         self.hparams = hparams_from_config(self.config, self.arch, self.folder)
+        self.shards = safetensors_files(self.folder)
         refs: dict[str, TensorRef] = {}
-        for ref in safetensors_refs(self.folder):
+        for ref in (ref for path in self.shards for ref in read_header(path)):
             if ref.hf_name in refs:
                 raise ConversionError(
                     f"{self.folder}: tensor '{ref.hf_name}' is in both {refs[ref.hf_name].file.name} and "
@@ -62,6 +67,12 @@ class Checkpoint:
         self.tensors = gguf_names(refs, self.hparams, self.folder)
         # Every tensor's numpy shape by GGUF name, in the order they are written.
         self.shapes = {name: self.tensors[name].shape for name in expected_tensors(self.hparams)}
+
+    def files(self) -> list[Path]:
+        """Every file the checkpoint is made of: its shards (wherever the index puts them) and each
+        file in its folder (config, tokenizer, README), but no GGUF: conversions write those, never read them."""
+        loose = [path for path in self.folder.iterdir() if path.is_file() and not _is_gguf(path)]
+        return [*self.shards, *loose]
 
     @property
     def source_dtype(self) -> str:
@@ -77,6 +88,12 @@ class Checkpoint:
         raw = np.fromfile(ref.file, dtype=dtype, count=math.prod(ref.shape), offset=ref.offset).reshape(ref.shape)
         bf16 = ref.dtype == "BF16"
         array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32, copy=False)
+        # One NaN or infinity anywhere makes the float64 sum non-finite, without a mask the tensor's size.
+        if not math.isfinite(array.sum(dtype=np.float64)):
+            raise ConversionError(
+                f"{ref.file}: tensor '{ref.hf_name}' holds NaN or infinite values; the checkpoint is damaged, "
+                "download it again"
+            )
         hp = self.hparams
         if hp.arch.permute_qk and name.endswith(".attn_q.weight"):
             array = permute_rope_rows(array, hp.n_head)
@@ -89,6 +106,14 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Reorder each head's Q or K rows from HF's half-split RoPE pairs (i, i + d/2) to the adjacent
     pairs (2i, 2i + 1) llama.cpp rotates for llama: row ``h*d + 2i + j`` takes HF row ``h*d + j*d/2 + i``."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:  # unreadable: counted among the files not to overwrite
+        return False
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -118,12 +143,23 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
     """The hyper-parameters in ``config.json``, refusing what llama.cpp would run differently."""
     where = folder / "config.json"
 
-    def number(key: str, default: Any = None, kind: type = int) -> Any:
+    def number(key: str, default: int | None = None) -> int:
         value = config.get(key, default)
-        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
-        if value is None or isinstance(value, bool) or not ok or value <= 0:
-            raise ConversionError(f"{where}: '{key}' is {value!r}; it must be a positive {kind.__name__}")
-        return kind(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConversionError(f"{where}: '{key}' is {value!r}; it must be a positive int")
+        return value
+
+    def real(key: str, default: float, low: float, high: float) -> float:
+        value = config.get(key, default)
+        # JSON's NaN and Infinity, which Python reads, fail the comparisons. The second compares the
+        # value as the GGUF stores it, in 32 bits: 1e-12 rounds to just under the loader's minimum.
+        in_range = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+        if not (in_range and low <= float(np.float32(value)) <= high):
+            raise ConversionError(
+                f"{where}: '{key}' is {value!r}; it must be a number from {low:g} to {high:g} "
+                "as a 32-bit float (fix config.json)"
+            )
+        return float(value)
 
     n_embd, n_head = number("hidden_size"), number("num_attention_heads")
     n_head_kv = number("num_key_value_heads", n_head)
@@ -153,14 +189,14 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
         head_dim=head_dim,
         n_ff=number("intermediate_size"),
         n_ctx_train=number("max_position_embeddings", 4096),
-        rope_base=number("rope_theta", rope.get("rope_theta", 10000.0), kind=float),
-        rms_eps=number("rms_norm_eps", 1e-6, kind=float),
+        rope_base=real("rope_theta", rope.get("rope_theta", 10000.0), *ROPE_THETA_RANGE),
+        rms_eps=real("rms_norm_eps", 1e-6, *RMS_EPS_RANGE),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
 
 
-def safetensors_refs(folder: Path) -> Iterator[TensorRef]:
-    """Every tensor of the checkpoint's safetensors files (all shards the index names)."""
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: all shards the index names, or every one in the folder."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
@@ -173,15 +209,13 @@ def safetensors_refs(folder: Path) -> Iterator[TensorRef]:
                 f"{folder}: shard {missing[0]} named in {index.name} is missing"
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; download every shard"
             )
-        paths = [folder / f for f in files]
-    else:
-        paths = sorted(folder.glob("*.safetensors"))
-        if not paths:
-            bins = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
-            hint = f" (found {bins[0]}: PyTorch pickles are not read; save the model with safetensors)" if bins else ""
-            raise ConversionError(f"{folder} has no .safetensors weights{hint}")
-    for path in paths:
-        yield from read_header(path)
+        return [folder / f for f in files]
+    paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        bins = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+        hint = f" (found {bins[0]}: PyTorch pickles are not read; save the model with safetensors)" if bins else ""
+        raise ConversionError(f"{folder} has no .safetensors weights{hint}")
+    return paths
 
 
 def read_header(path: Path) -> Iterator[TensorRef]:

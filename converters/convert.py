@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import resource
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from gguf import GGMLQuantizationType
 
 from edgeinfer.converters.calibrate import TOKEN_EMBD, Calibration, calibrate, column_importance, output_kld
 from edgeinfer.converters.checkpoint import Checkpoint
+from edgeinfer.converters.output import check_output, output_path, scratch_folder, sweep
 from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, estimate_errors, stored_bytes, uniform
 from edgeinfer.converters.quantize import block_size, dequantize, quantize
 from edgeinfer.converters.vocab import read_vocab
@@ -133,7 +133,7 @@ def convert(
     KL divergence against the unquantized model, with llama.cpp.
     """
     start = perf_counter()
-    output = Path(output)
+    output = output_path(output)
     budget_given = target_size is not None or target_bpw is not None
     if qtype is not None and budget_given:
         raise ConversionError("give either --type or a budget (--target-size / --target-bpw), not both")
@@ -148,11 +148,10 @@ def convert(
         )
     if sensitivity not in ("activation", "kld"):
         raise ConversionError(f"unknown sensitivity '{sensitivity}'; choose activation or kld")
-    if not output.parent.is_dir():
-        raise ConversionError(f"{output.parent} is not a folder; create it or write the GGUF elsewhere")
 
     held_out = _read_text(eval_text, "--eval") if eval_text is not None else None  # before minutes of work
     ckpt = Checkpoint(hf_dir)
+    _claim_output(output, ckpt, calib, eval_text, log)
     hp = ckpt.hparams
     vocab = read_vocab(ckpt.folder, hp.n_vocab, pre=pre_tokenizer)
     for note in vocab.notes:
@@ -168,7 +167,7 @@ def convert(
 
     calibration: Calibration | None = None
     if calib is not None:
-        tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output.parent)
+        tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output)
         ctx = min(CALIB_CTX, hp.n_ctx_train)
         tokens = _spread(tokens, CALIB_TOKENS, ctx - (bos is not None))
         log(f"calibrating on {len(tokens)} tokens, one layer at a time")
@@ -178,7 +177,7 @@ def convert(
     if budget_given:
         assert calibration is not None
         if target_size is not None:
-            budget = target_size - header_bytes(ckpt, vocab, output.parent)
+            budget = target_size - header_bytes(ckpt, vocab, output)
         else:
             budget = int(float(target_bpw or 0) * n_params / 8)
         log("measuring each tensor's error under every type its rows allow")
@@ -249,11 +248,11 @@ def _spread(tokens: list[int], limit: int, ctx: int) -> list[int]:
     return [t for start in starts for t in tokens[start : start + ctx]]
 
 
-def _tokenize(ckpt: Checkpoint, vocab: Any, text: str, directory: Path) -> tuple[list[int], int | None]:
+def _tokenize(ckpt: Checkpoint, vocab: Any, text: str, output: Path) -> tuple[list[int], int | None]:
     """The text's tokens as llama.cpp will see them from the converted file, and BOS if it adds one."""
     from edgeinfer.tokenizer import Tokenizer
 
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".vocab-") as tmp:
+    with scratch_folder(output, "vocab") as tmp:
         path = Path(tmp) / "vocab.gguf"
         write_vocab_only(path, ckpt, vocab)
         tokenizer = Tokenizer(path)
@@ -274,7 +273,7 @@ def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalRepo
 
     base_type = QType.F16 if ckpt.source_dtype == "F16" else QType.F32  # exact for F32 and BF16 weights
     ctx = min(CALIB_CTX, ckpt.hparams.n_ctx_train)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".base-") as tmp:
+    with scratch_folder(output, "base") as tmp:
         base_path = Path(tmp) / f"base-{base_type.name.lower()}.gguf"
         types = {name: choice.qtype for name, choice in uniform(ckpt.shapes, base_type).items()}
         write_gguf(base_path, ckpt, vocab, types, lambda name, rows, qtype: quantize(rows, qtype))
@@ -284,6 +283,24 @@ def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalRepo
             Engine(base_path, backend="llamacpp", kv_budget=budget, batch_size=ctx) as base,
         ):
             return evaluate(engine, text, ctx=ctx, base=base)
+
+
+def _claim_output(
+    output: Path,
+    ckpt: Checkpoint,
+    calib: str | Path | None,
+    eval_text: str | Path | None,
+    log: Callable[[str], None],
+) -> None:
+    """Check, before any work, that ``output`` can be written and is none of the files the conversion
+    reads; then remove what conversions to it that were killed left beside it."""
+    inputs = dict.fromkeys(ckpt.files(), f"part of the checkpoint {ckpt.folder}")
+    for path, option in ((calib, "--calib"), (eval_text, "--eval")):
+        if path is not None:
+            inputs[Path(path)] = f"the {option} text"
+    check_output(output, inputs)
+    for leftover in sweep(output):
+        log(f"note: removed {leftover.name}, left by a conversion that was killed")
 
 
 def _read_text(path: str | Path, option: str) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from edgeinfer.converters.checkpoint import Checkpoint
+from edgeinfer.converters.output import scratch
 from edgeinfer.converters.vocab import Vocab
 from edgeinfer.errors import ConversionError
 from edgeinfer.models.arch import HParams
@@ -73,9 +74,9 @@ def add_hparams(writer: GGUFWriter, hp: HParams) -> None:
         writer.add_value_length(hp.head_dim)
 
 
-def header_bytes(ckpt: Checkpoint, vocab: Vocab, directory: Path) -> int:
-    """Bytes before the first tensor: metadata and tensor directory, which do not depend on types."""
-    with _temporary(directory / f".header.{os.getpid()}.gguf") as tmp:
+def header_bytes(ckpt: Checkpoint, vocab: Vocab, output: Path) -> int:
+    """Bytes before the first tensor of ``output``: metadata and tensor directory, which do not depend on types."""
+    with _temporary(scratch(output, "header")) as tmp:
         writer = new_writer(tmp, ckpt, vocab, LlamaFileType.ALL_F32)
         for name, shape in ckpt.shapes.items():
             writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_bytes(shape, QType.F32), QType.F32)
@@ -106,7 +107,7 @@ def write_gguf(
 ) -> int:
     """Write the model with each tensor as ``types`` says, streaming; return the file's size.
     A file over ``max_bytes`` is refused before it replaces anything."""
-    with _temporary(out.with_name(f".{out.name}.{os.getpid()}.partial")) as tmp:
+    with _temporary(scratch(out, "partial")) as tmp:
         writer = new_writer(tmp, ckpt, vocab, file_type(types, ckpt.shapes))
         try:
             for name, shape in ckpt.shapes.items():

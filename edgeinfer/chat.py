@@ -18,7 +18,7 @@ import jinja2
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgeinfer.errors import TemplateError
+from edgeinfer.errors import InvalidOptionError, TemplateError
 
 
 class Message(TypedDict):
@@ -37,7 +37,10 @@ CHATML_TEMPLATE = (
 )
 
 
-# A prompt is a few kilobytes; a template that renders far more is broken or hostile
+# The most text a conversation's messages may hold, all together: far beyond any KV budget
+# of an edge model, and a bound on what a caller can make us hold.
+MAX_CONTENT_CHARS = 1_000_000
+# What a template may add around the messages; more is a broken or hostile template
 # (`{{ 'A' * 10**9 }}` would take gigabytes before anything else could object).
 MAX_RENDERED_CHARS = 1_000_000
 
@@ -103,6 +106,12 @@ class ChatTemplate:
                 raise TemplateError(f"message {i} must be a mapping with 'role' and 'content' keys")
             if not isinstance(message["role"], str) or not isinstance(message["content"], str):
                 raise TemplateError(f"message {i}: 'role' and 'content' must be strings")
+        content_chars = sum(len(m["content"]) for m in messages)
+        if content_chars > MAX_CONTENT_CHARS:
+            raise InvalidOptionError(
+                f"the conversation is {content_chars:,} characters, over the limit of {MAX_CONTENT_CHARS:,}; shorten it"
+            )
+        limit = content_chars + MAX_RENDERED_CHARS
         try:
             pieces = self._template.generate(
                 messages=[dict(m) for m in messages],
@@ -113,8 +122,10 @@ class ChatTemplate:
             out, size = [], 0
             for piece in pieces:
                 size += len(piece)
-                if size > MAX_RENDERED_CHARS:
-                    raise TemplateError(f"the chat template renders over {MAX_RENDERED_CHARS:,} characters; refused")
+                if size > limit:
+                    raise TemplateError(
+                        f"the chat template adds over {MAX_RENDERED_CHARS:,} characters to the messages; refused"
+                    )
                 out.append(piece)
             return "".join(out)
         except SecurityError as exc:
@@ -126,6 +137,29 @@ class ChatTemplate:
             raise
         except Exception as exc:  # template code can raise anything: TypeError, ZeroDivisionError, ...
             raise TemplateError(f"the chat template failed to render: {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where each message's content stands in the rendered ``text``, searched in order; and the messages not found.
+
+    Templates copy content verbatim, or trimmed (Gemma's). Content a template rewrites
+    some other way is not found; its index is returned instead.
+    """
+    spans: list[tuple[int, int]] = []
+    missing: list[int] = []
+    done = 0
+    for i, message in enumerate(messages):
+        content = message["content"]
+        for wanted in (content, content.strip()):
+            start = text.find(wanted, done) if wanted else -1
+            if start >= 0:
+                spans.append((start, start + len(wanted)))
+                done = start + len(wanted)
+                break
+        else:
+            if content.strip():
+                missing.append(i)
+    return spans, missing
 
 
 def _one_line(exc: BaseException) -> str:

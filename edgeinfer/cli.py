@@ -178,9 +178,7 @@ def run(
     from edgeinfer.engine import Engine
 
     if prompt is None:
-        if sys.stdin.isatty():
-            _fail("no prompt: pass it as an argument or on standard input")
-        prompt = sys.stdin.read()
+        prompt = _read_stdin_prompt()
     if not prompt.strip():
         _fail("the prompt is empty: pass some text as an argument or on standard input")
     for name, text in (("prompt", prompt), ("system prompt", system_prompt or "")):
@@ -205,14 +203,15 @@ def run(
     ]
     route = route or ("auto" if cloud_url else "local")
     cloud = _cloud_model(cloud_url, cloud_model) if route != "local" or cloud_url else None
-    engine = Engine(
-        model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
-    )
     if cloud is not None:
         from edgeinfer.router import Policy, Router
 
         threshold = {} if route_threshold is None else {"threshold": route_threshold}
-        policy = Policy(route, samples=route_samples, **threshold)  # type: ignore[arg-type]
+        policy = Policy(route, samples=route_samples, **threshold)  # type: ignore[arg-type]  # checked before loading
+    engine = Engine(
+        model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
+    )
+    if cloud is not None:
         router = Router(engine, cloud, policy=policy)
         stream_of: Any = router.stream
     else:
@@ -242,7 +241,8 @@ def run(
         else:
             click.echo()
         if stats:
-            click.echo(f"{'model':>9}: {result.model} on {result.backend} ({engine.threads} threads)", err=True)
+            threads = "" if result.backend == "cloud" else f" ({engine.threads} threads)"  # none ran for a cloud answer
+            click.echo(f"{'model':>9}: {result.model} on {result.backend}{threads}", err=True)
             click.echo(
                 f"{'route':>9}: {result.route}{' (degraded)' if getattr(result, 'degraded', False) else ''}", err=True
             )
@@ -257,6 +257,23 @@ def run(
                 )
             click.echo(f"{'finish':>9}: {result.finish_reason}", err=True)
             click.echo(result.metrics.format(), err=True)
+
+
+def _read_stdin_prompt() -> str:
+    """The prompt from standard input, read no further than the limit (`yes | edgeinfer run` never ends)."""
+    from edgeinfer.chat import MAX_CONTENT_CHARS
+
+    if sys.stdin is None:
+        _fail("no prompt: pass it as an argument or on standard input (standard input is closed)")
+    if sys.stdin.isatty():
+        _fail("no prompt: pass it as an argument or on standard input")
+    try:
+        prompt = sys.stdin.read(MAX_CONTENT_CHARS + 1)
+    except UnicodeDecodeError:
+        _fail("the prompt on standard input is not valid UTF-8 text; pass UTF-8")
+    if len(prompt) > MAX_CONTENT_CHARS:
+        _fail(f"the prompt on standard input is over {MAX_CONTENT_CHARS:,} characters; pass a shorter one")
+    return prompt
 
 
 def _cloud_model(url: str | None, model: str | None) -> Any:
@@ -639,6 +656,7 @@ def convert(
 ) -> None:
     """Convert a Hugging Face checkpoint folder to GGUF, uniform or within a size budget."""
     from edgeinfer.converters.convert import convert as run_conversion
+    from edgeinfer.converters.interrupt import Terminated, terminating_raises
     from edgeinfer.kv import KVBudget
 
     size = None
@@ -650,19 +668,23 @@ def convert(
         if parsed is None or parsed.bytes is None:
             _fail(f"--target-size {target_size!r} is not a size; give one such as '80MB' or '1.2GB'")
         size = parsed.bytes if parsed else None
-    report = run_conversion(
-        hf_dir,
-        output,
-        qtype=qtype,
-        target_size=size,
-        target_bpw=target_bpw,
-        calib=calib,
-        sensitivity="activation" if sensitivity == "activation" else "kld",
-        eval_text=eval_text,
-        pre_tokenizer=pre_tokenizer,
-        log=lambda message: click.echo(message, err=True),
-    )
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
+    try:
+        with terminating_raises():
+            report = run_conversion(
+                hf_dir,
+                output,
+                qtype=qtype,
+                target_size=size,
+                target_bpw=target_bpw,
+                calib=calib,
+                sensitivity="activation" if sensitivity == "activation" else "kld",
+                eval_text=eval_text,
+                pre_tokenizer=pre_tokenizer,
+                log=lambda message: click.echo(message, err=True),
+            )
+        click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
+    except Terminated as stop:  # its temporary files are gone: the conversion unwound as from Ctrl-C
+        _fail(f"interrupted by {stop}", 128 + stop.signum)
 
 
 @cli.command(name="bench")

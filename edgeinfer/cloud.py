@@ -5,37 +5,51 @@ reply = cloud.complete([{"role": "user", "content": "Hi"}])
 for piece in cloud.stream([{"role": "user", "content": "Hi"}]):
     print(piece, end="")
 
-Every call has connect, read and total timeouts. Timeouts, dropped connections and the statuses
-a server uses for "try again" (408, 409, 429, 5xx) are retried with jittered exponential backoff,
-or after the server's ``Retry-After`` when that is short enough; a longer one fails at once (and
-the circuit stays open that long) so the caller can answer locally instead of waiting. 400, 401,
-403 and quota errors are not retried. A stream is retried only until its first text: after that,
-text would be repeated. After ``breaker_failures`` failed calls in a row, the circuit breaker
-refuses calls for ``breaker_cooldown_s``, then lets one trial call through.
+Every call has connect, read and total timeouts. The total one holds on every path (connecting,
+sending, waiting for headers, reading the body): each socket operation waits at most what is left
+of it. Timeouts, dropped connections and the statuses a server uses for "try again" (408, 409,
+429, 5xx) are retried with jittered exponential backoff, or after the server's ``Retry-After`` when
+that is short enough; a longer one fails at once (and the circuit stays open that long) so the
+caller can answer locally instead of waiting. 400, 401, 403 and quota errors are not retried. A
+stream is retried only until its first text: after that, text would be repeated. After
+``breaker_failures`` failed calls in a row, the circuit breaker refuses calls for
+``breaker_cooldown_s``, then lets one trial call through.
 
-``Cancellation.cancel()`` ends a call from another thread: between retries at once, and during
-a response by cutting its connection. A request still waiting for response headers (a
-non-streamed answer being generated) ends at its read timeout, so the router always streams.
+A reply is bounded while it is read, not after: ``max_reply_bytes`` in all, 1 MiB per line and per
+stream event, and text pieces and characters in proportion to ``max_tokens`` (a stream that never
+ends is cut there). Past a bound the call fails with a ``protocol`` error, as for a malformed reply.
 
-The API key goes only into the ``Authorization`` header: ``repr`` masks it and every error
-message is scrubbed of it.
+``Cancellation.cancel()`` ends a call from another thread at once, in every phase: between
+retries, and while connecting, waiting for headers or reading the body, by shutting its socket
+down (so the server stops generating too). Resolving the host name is the one wait it cannot cut.
+
+The API key goes only into the ``Authorization`` header. It is checked when the model is built:
+surrounding whitespace (a pasted newline) is dropped, and a control or non-ASCII character is
+refused with a message that shows no part of it. ``repr`` masks it, and every error message is
+scrubbed of it in its plain, escaped and URL-encoded forms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import email.utils
 import json
 import os
 import random
+import re
+import select
 import socket
+import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import httpcore
 import httpx
 
 from edgeinfer.errors import CloudError, InvalidOptionError
@@ -46,6 +60,14 @@ _NOT_RETRIED_KINDS = frozenset({"auth", "quota", "bad_request", "protocol", "cir
 # Failures that say nothing about the endpoint's health do not count towards opening the circuit.
 _NOT_COUNTED_KINDS = frozenset({"bad_request", "circuit_open", "cancelled"})
 BreakerState = Literal["closed", "open", "half_open"]
+# Bounds on what a server may send. A real stream's lines and events are well under 1 KiB.
+MAX_LINE_BYTES = 1 << 20
+MAX_EVENT_BYTES = 1 << 20
+ERROR_BODY_BYTES = 1 << 16  # of an error response, only the start is read: its message is at the front
+# A piece of a stream is usually one token; some servers split tokens, so allow twice as many and some.
+PIECES_PER_TOKEN, PIECE_SLACK = 2, 16
+CHARS_PER_TOKEN = 128  # more than the longest token of the vocabularies we know
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 @dataclass
@@ -134,6 +156,7 @@ class CloudModel:
         max_retry_after_s: the longest ``Retry-After`` waited out; a longer one fails the call.
         breaker_failures, breaker_cooldown_s: see ``CircuitBreaker``.
         price_per_1k_input, price_per_1k_output: currency per 1000 tokens, for ``cost()``.
+        max_reply_bytes: the most one reply's body may hold; a longer one fails the call.
     """
 
     def __init__(
@@ -153,6 +176,7 @@ class CloudModel:
         breaker_cooldown_s: float = 30.0,
         price_per_1k_input: float = 0.0,
         price_per_1k_output: float = 0.0,
+        max_reply_bytes: int = 4 << 20,
     ) -> None:
         url = url or os.environ.get("EDGEINFER_CLOUD_URL")
         model = model or os.environ.get("EDGEINFER_CLOUD_MODEL")
@@ -168,9 +192,15 @@ class CloudModel:
                 raise InvalidOptionError(f"{name} must be a positive number of seconds, got {value}")
         if max_retries < 0:
             raise InvalidOptionError(f"max_retries must be >= 0, got {max_retries}")
+        if max_reply_bytes < ERROR_BODY_BYTES:
+            raise InvalidOptionError(f"max_reply_bytes must be at least {ERROR_BODY_BYTES}, got {max_reply_bytes}")
         self.url = _endpoint(url)
         self.model = model
-        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY") or None
+        key = _checked_key(api_key if api_key is not None else os.environ.get("OPENAI_API_KEY"))
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # The forms a server or a library may quote the key in; the longest first, as one contains another.
+        forms = {key, json.dumps(key)[1:-1], urllib.parse.quote(key, safe="")} if key else set()
+        self._key_forms = sorted(forms, key=len, reverse=True)
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.total_timeout = total_timeout
@@ -181,10 +211,17 @@ class CloudModel:
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
         self.price_per_1k_input = price_per_1k_input
         self.price_per_1k_output = price_per_1k_output
-        self._client = httpx.Client(follow_redirects=False)
+        self.max_reply_bytes = max_reply_bytes
+        transport = httpx.HTTPTransport()
+        # httpx takes no network backend; the pool under its transport does, and ours lets a cancel
+        # and the total timeout reach the socket in every phase of a call.
+        transport._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(), keepalive_expiry=5.0, network_backend=_Backend()
+        )
+        self._client = httpx.Client(transport=transport, follow_redirects=False)
 
     def __repr__(self) -> str:
-        key = "set" if self._api_key else "none"
+        key = "set" if self._headers else "none"
         return f"CloudModel(url={self.url!r}, model={self.model!r}, api_key=<{key}>)"
 
     def cost(self, usage: Usage) -> float:
@@ -206,24 +243,25 @@ class CloudModel:
         ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` are sent; setting
         ``cancel`` stops the call (between retries, or by cutting the connection).
         """
-        body = self._body(messages, sampling_params(params, options), stream=False)
-        call = cancel or Cancellation()
-        deadline = time.monotonic() + self.total_timeout
+        params = sampling_params(params, options)
+        body = self._body(messages, params, stream=False)
+        scope = _Scope(cancel or Cancellation(), time.monotonic() + self.total_timeout, self.total_timeout)
 
         def attempt() -> CloudReply:
-            response = self._send(body, deadline, call)
+            response = self._send(body, scope)
             try:
-                payload = _read_json(response)
+                _body_kind(response)
+                payload = _json(b"".join(_chunks(response, scope, self.max_reply_bytes)), "response")
             finally:
                 response.close()
             text, finish = _message(payload)
+            _Allowance(params.max_tokens).take(text)
             return CloudReply(text, finish, _usage(payload.get("usage")), payload.get("model") or self.model)
 
         try:
-            reply = self._retrying(attempt, deadline, call)
+            return self._retrying(attempt, scope)
         except CloudError as err:
-            raise self._scrub(err) from None
-        return reply
+            raise self._scrubbed(err) from None
 
     def stream(
         self,
@@ -234,8 +272,8 @@ class CloudModel:
         **options: Any,
     ) -> CloudStream:
         """Text chunks as the server sends them (SSE). Raises ``CloudError`` while iterating."""
-        body = self._body(messages, sampling_params(params, options), stream=True)
-        return CloudStream(self, body, cancel or Cancellation())
+        params = sampling_params(params, options)
+        return CloudStream(self, self._body(messages, params, stream=True), cancel or Cancellation())
 
     def close(self) -> None:
         self._client.close()
@@ -265,33 +303,33 @@ class CloudModel:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def _send(self, body: dict[str, Any], deadline: float, call: Cancellation) -> httpx.Response:
+    def _send(self, body: dict[str, Any], scope: _Scope) -> httpx.Response:
         """One POST; a 200 response is returned open (its body not read yet), anything else raised."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CloudError(f"no answer within the total timeout of {self.total_timeout:g} s", "timeout")
-        timeout = httpx.Timeout(min(self.read_timeout, left), connect=min(self.connect_timeout, left))
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        request = self._client.build_request("POST", self.url, json=body, headers=headers, timeout=timeout)
-        call.check()
+        # The sockets wait no longer than the call has left (see _Backend).
+        timeout = httpx.Timeout(self.read_timeout, connect=self.connect_timeout)
+        request = self._client.build_request("POST", self.url, json=body, headers=self._headers, timeout=timeout)
+        scope.call.check()
         try:
-            response = self._client.send(request, stream=True)
+            with scope.active():
+                response = self._client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from None
-        call.attach(response)
         if response.status_code == 200:
             return response
+        start = bytearray()
         try:
-            response.read()
-        except httpx.HTTPError as exc:
-            raise _transport_error(exc) from None
+            for chunk in _chunks(response, scope, sys.maxsize):
+                start += chunk
+                if len(start) >= ERROR_BODY_BYTES:
+                    break
         finally:
             response.close()
-        raise _status_error(response)
+        raise _status_error(response, bytes(start[:ERROR_BODY_BYTES]), self._scrub)
 
-    def _retrying(self, attempt: Callable[[], Any], deadline: float, call: Cancellation, *, done: bool = True) -> Any:
+    def _retrying(self, attempt: Callable[[], Any], scope: _Scope, *, done: bool = True) -> Any:
         """Run ``attempt`` until it succeeds or fails for good. ``done``: its success ends the call
         (a stream's first text does not: the breaker hears of the stream's end)."""
+        call = scope.call
         for tries in range(self.max_retries + 1):
             # The breaker judges calls, not attempts: a call it let through keeps its retries.
             if tries == 0 and not self.breaker.allow():
@@ -304,7 +342,7 @@ class CloudModel:
             except CloudError as err:
                 if call.cancelled:
                     raise CloudError("the call was cancelled", "cancelled") from None
-                wait = self._wait_before_retry(err, tries, deadline)
+                wait = self._wait_before_retry(err, tries, scope.deadline)
                 if wait is None:
                     if err.kind not in _NOT_COUNTED_KINDS:
                         too_long = err.retry_after is not None and err.retry_after > self.max_retry_after_s
@@ -333,10 +371,13 @@ class CloudModel:
             wait = random.uniform(ceiling / 2, ceiling)
         return wait if time.monotonic() + wait < deadline else None
 
-    def _scrub(self, err: CloudError) -> CloudError:
-        if self._api_key and self._api_key in str(err):
-            return CloudError(str(err).replace(self._api_key, "[redacted]"), err.kind, err.status, err.retry_after)
-        return err
+    def _scrub(self, text: str) -> str:
+        for form in self._key_forms:
+            text = text.replace(form, "[redacted]")
+        return text
+
+    def _scrubbed(self, err: CloudError) -> CloudError:
+        return CloudError(self._scrub(str(err)), err.kind, err.status, err.retry_after)
 
 
 class CloudStream(Iterator[str]):
@@ -349,6 +390,7 @@ class CloudStream(Iterator[str]):
     def __init__(self, cloud: CloudModel, body: dict[str, Any], call: Cancellation) -> None:
         self._cloud = cloud
         self._call = call
+        self._allowance = _Allowance(body["max_tokens"])
         self._chunks = self._run(body)
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
@@ -360,7 +402,7 @@ class CloudStream(Iterator[str]):
         except CloudError as err:
             if self._call.cancelled and err.kind != "cancelled":
                 raise CloudError("the call was cancelled", "cancelled") from None
-            raise self._cloud._scrub(err) from None
+            raise self._cloud._scrubbed(err) from None
 
     def abort(self) -> None:
         self._call.cancel()
@@ -370,15 +412,16 @@ class CloudStream(Iterator[str]):
 
     def _run(self, body: dict[str, Any]) -> Generator[str, None, None]:
         cloud, call = self._cloud, self._call
-        deadline = time.monotonic() + cloud.total_timeout
+        scope = _Scope(call, time.monotonic() + cloud.total_timeout, cloud.total_timeout)
 
         def until_first_text() -> tuple[httpx.Response, Iterator[dict[str, Any]], str | None]:
-            response = cloud._send(body, deadline, call)
-            if response.headers.get("content-type", "").startswith("application/json"):
-                events = _whole(response)  # a server that ignored "stream": one answer, not events
-            else:
-                events = _events(response, deadline)
+            response = cloud._send(body, scope)
             try:
+                chunks = _chunks(response, scope, cloud.max_reply_bytes)
+                if _body_kind(response) == "json":  # a server that ignored "stream": one answer, not events
+                    events = _whole(_json(b"".join(chunks), "response"))
+                else:
+                    events = _events(_lines(chunks), cloud._scrub)
                 for event in events:
                     text = self._take(event)
                     if text:
@@ -388,7 +431,7 @@ class CloudStream(Iterator[str]):
                 raise
             return response, events, None
 
-        response, events, first = cloud._retrying(until_first_text, deadline, call, done=False)
+        response, events, first = cloud._retrying(until_first_text, scope, done=False)
         failed = False
         try:
             if first is not None:
@@ -421,17 +464,46 @@ class CloudStream(Iterator[str]):
             raise CloudError("the cloud sent a stream event of the wrong shape", "protocol") from None
         if not isinstance(text, str):
             raise CloudError("the cloud sent a stream event whose content is not text", "protocol")
+        return self._allowance.take(text)
+
+
+class _Allowance:
+    """The text a reply may hold for ``max_tokens`` tokens: a reply past it is not going to end."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.pieces_left = PIECES_PER_TOKEN * max_tokens + PIECE_SLACK
+        self.chars_left = CHARS_PER_TOKEN * max_tokens
+
+    def take(self, text: str) -> str:
+        if not text:
+            return text
+        self.pieces_left -= 1
+        self.chars_left -= len(text)
+        if self.pieces_left < 0:
+            limit = PIECES_PER_TOKEN * self.max_tokens + PIECE_SLACK
+            raise CloudError(
+                f"the cloud sent more than {limit} pieces of text for max_tokens={self.max_tokens}: "
+                "its stream does not end",
+                "protocol",
+            )
+        if self.chars_left < 0:
+            raise CloudError(
+                f"the cloud sent more than {CHARS_PER_TOKEN * self.max_tokens} characters for "
+                f"max_tokens={self.max_tokens}, more than that many tokens hold",
+                "protocol",
+            )
         return text
 
 
 class Cancellation:
-    """Stops cloud calls from any thread: ``cancel()`` ends their retries and cuts their connections,
-    so the server stops generating. Pass one as ``cancel=`` to ``complete`` or ``stream``; one may
-    serve several calls."""
+    """Stops cloud calls from any thread: ``cancel()`` ends their retries and shuts down the sockets
+    they are using, so they stop at once in any phase and the server stops generating. Pass one as
+    ``cancel=`` to ``complete`` or ``stream``; one may serve several calls."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        self._responses: list[httpx.Response] = []
+        self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
 
     @property
@@ -441,14 +513,13 @@ class Cancellation:
     def cancel(self) -> None:
         self._event.set()
         with self._lock:
-            responses = list(self._responses)
-        for response in responses:
-            # Shutting the socket down wakes a read blocked in another thread at once; closing does not.
-            stream = response.extensions.get("network_stream")
-            sock = stream.get_extra_info("socket") if stream is not None else None
-            if isinstance(sock, socket.socket):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            sockets = list(self._sockets)
+        for sock in sockets:
+            # Shutting a socket down wakes an operation blocked on it in another thread at once;
+            # closing it does not. The plain socket's method: an SSLSocket's own one drops its SSL
+            # state under the reading thread.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     def check(self) -> None:
         if self.cancelled:
@@ -458,44 +529,236 @@ class Cancellation:
         """Sleep; True if cancelled meanwhile."""
         return self._event.wait(seconds)
 
-    def attach(self, response: httpx.Response) -> None:
+    @contextlib.contextmanager
+    def watching(self, sock: socket.socket) -> Iterator[bool]:
+        """While inside, ``cancel`` shuts ``sock`` down; yields whether the call is cancelled already.
+
+        A cancel either finds ``sock`` here, or came before the check: no window lets one through.
+        """
         with self._lock:
-            self._responses.append(response)
-        if self.cancelled:
-            self.cancel()
+            self._sockets.add(sock)
+        try:
+            yield self.cancelled
+        finally:
+            with self._lock:
+                self._sockets.discard(sock)
 
 
-def _events(response: httpx.Response, deadline: float) -> Iterator[dict[str, Any]]:
+@dataclass(frozen=True)
+class _Scope:
+    """One call's cancellation and deadline, for the socket operations made on its behalf."""
+
+    call: Cancellation
+    deadline: float
+    total_timeout: float
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this the call the calling thread's socket operations serve (see _Backend)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+
+# httpx and httpcore do not pass the call down to the sockets, so it travels beside them.
+_ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("edgeinfer_cloud_call", default=None)
+
+
+@contextlib.contextmanager
+def _socket_op(
+    sock: socket.socket, timeout: float | None, timed_out: type[Exception], failed: type[Exception]
+) -> Iterator[float | None]:
+    """One blocking operation on ``sock``, for the active call: within its deadline, and stopped by its cancel.
+
+    Yields the timeout to set; turns socket errors into httpcore's, which httpx maps to its own.
+    """
+    scope = _ACTIVE.get()
+    if scope is None:
+        with _mapped(timed_out, failed, "timed out"):
+            yield timeout
+        return
+    left = scope.deadline - time.monotonic()
+    past_total = f"the call ran past its total timeout of {scope.total_timeout:g} s"
+    if left <= 0:
+        raise timed_out(past_total)
+    wait = left if timeout is None else min(timeout, left)
+    message = past_total if wait == left else "timed out"
+    with scope.call.watching(sock) as cancelled, _mapped(timed_out, failed, message):
+        if cancelled:
+            raise failed("the call was cancelled")
+        yield wait
+
+
+@contextlib.contextmanager
+def _mapped(timed_out: type[Exception], failed: type[Exception], timeout_message: str) -> Iterator[None]:
+    try:
+        yield
+    except TimeoutError:
+        raise timed_out(timeout_message) from None
+    except OSError as exc:
+        raise failed(str(exc) or type(exc).__name__) from None
+
+
+class _Stream(httpcore.NetworkStream):
+    """A TCP (or TLS) connection whose operations go through ``_socket_op``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        with _socket_op(self._sock, timeout, httpcore.ReadTimeout, httpcore.ReadError) as wait:
+            self._sock.settimeout(wait)
+            return self._sock.recv(max_bytes)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        while buffer:
+            with _socket_op(self._sock, timeout, httpcore.WriteTimeout, httpcore.WriteError) as wait:
+                self._sock.settimeout(wait)
+                buffer = buffer[self._sock.send(buffer) :]
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        try:
+            with _socket_op(self._sock, timeout, httpcore.ConnectTimeout, httpcore.ConnectError) as wait:
+                self._sock.settimeout(wait)
+                return _Stream(ssl_context.wrap_socket(self._sock, server_hostname=server_hostname))
+        except BaseException:
+            self.close()
+            raise
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "socket":
+            return self._sock
+        if info == "is_readable":  # how the pool tells a kept-alive connection the server has closed
+            return bool(select.select([self._sock], [], [], 0)[0])
+        return None
+
+
+class _Backend(httpcore.NetworkBackend):
+    """httpcore's TCP connections, opened and used through ``_socket_op``.
+
+    A connect is cancellable as a read is: shutting a connecting socket down ends the connect.
+    """
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
+        failure: Exception = httpcore.ConnectError(f"{host} has no address")
+        with _mapped(httpcore.ConnectTimeout, httpcore.ConnectError, "timed out"):
+            addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        for family, kind, proto, _, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            try:
+                for option in socket_options or ():
+                    sock.setsockopt(*option)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with _socket_op(sock, timeout, httpcore.ConnectTimeout, httpcore.ConnectError) as wait:
+                    if local_address is not None:
+                        sock.bind((local_address, 0))
+                    sock.settimeout(wait)
+                    sock.connect(address)
+                return _Stream(sock)
+            except httpcore.ConnectError as exc:  # try the host's next address
+                sock.close()
+                failure = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise failure
+
+
+def _chunks(response: httpx.Response, scope: _Scope, limit: int) -> Iterator[bytes]:
+    """The body's bytes as they arrive, read for ``scope``'s call; more than ``limit`` in all is an error."""
+    received = 0
+    chunks = response.iter_bytes()
+    while True:
+        try:
+            with scope.active():
+                chunk = next(chunks, None)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from None
+        if chunk is None:
+            return
+        received += len(chunk)
+        if received > limit:
+            raise CloudError(f"the cloud's reply is longer than {limit} bytes (max_reply_bytes)", "protocol")
+        yield chunk
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines of an event stream (ended by CRLF, LF or CR), none longer than MAX_LINE_BYTES."""
+    buffer = bytearray()
+    for chunk in chunks:
+        buffer += chunk
+        start = 0
+        while (end := _LINE_END.search(buffer, start)) is not None:
+            if end.group() == b"\r" and end.end() == len(buffer):  # perhaps half of a CRLF
+                break
+            if end.start() - start > MAX_LINE_BYTES:
+                break
+            yield bytes(buffer[start : end.start()])
+            start = end.end()
+        del buffer[:start]
+        if len(buffer) > MAX_LINE_BYTES:
+            raise CloudError(
+                f"the cloud sent a line longer than {MAX_LINE_BYTES} bytes: not an event stream", "protocol"
+            )
+
+
+def _events(lines: Iterator[bytes], scrub: Callable[[str], str]) -> Iterator[dict[str, Any]]:
     """The JSON events of a server-sent-event stream, up to ``data: [DONE]``."""
     data: list[str] = []
+    size = 0
     name = ""
-    try:
-        for line in response.iter_lines():
-            if time.monotonic() > deadline:
-                raise CloudError("the stream ran past the total timeout", "timeout")
-            if line.startswith(":"):  # an SSE comment, such as a keep-alive
-                continue
-            if line:
-                field, _, value = line.partition(":")
-                value = value[1:] if value.startswith(" ") else value
-                if field == "data":
-                    data.append(value)
-                elif field == "event":
-                    name = value
-                continue
-            if not data:
-                continue
-            payload, data = "\n".join(data), []
-            if payload.strip() == "[DONE]":
-                return
-            event = _json(payload.encode(), "stream event")
-            if name == "error" or "error" in event:
-                raise _event_error(event)
-            name = ""
-            yield event
-    except httpx.HTTPError as exc:
-        raise _transport_error(exc) from None
+    for raw in lines:
+        line = raw.decode("utf-8", "replace")
+        if line.startswith(":"):  # an SSE comment, such as a keep-alive
+            continue
+        if line:
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "data":
+                size += len(raw)
+                if size > MAX_EVENT_BYTES:
+                    raise CloudError(f"the cloud sent a stream event longer than {MAX_EVENT_BYTES} bytes", "protocol")
+                data.append(value)
+            elif field == "event":
+                name = value
+            continue
+        if not data:
+            continue
+        payload, data, size = "\n".join(data), [], 0
+        if payload.strip() == "[DONE]":
+            return
+        event = _json(payload, "stream event")
+        if name == "error" or "error" in event:
+            raise _event_error(event, scrub)
+        name = ""
+        yield event
     raise CloudError("the cloud's stream ended before data: [DONE]: the connection was cut", "connection")
+
+
+def _body_kind(response: httpx.Response) -> Literal["json", "events"]:
+    """What a 200 response holds, from its Content-Type: a web page is the wrong URL, not a cut connection."""
+    kind = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind == "application/json":
+        return "json"
+    if kind in ("text/event-stream", ""):
+        return "events"
+    raise CloudError(
+        f"the cloud answered {kind}, not an event stream or JSON: check the cloud URL (--cloud-url)", "protocol"
+    )
 
 
 def sampling_params(params: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:
@@ -511,14 +774,6 @@ def sampling_params(params: SamplingParams | None, options: Mapping[str, Any]) -
     return dataclasses.replace(params, **options) if options else params
 
 
-def _read_json(response: httpx.Response) -> dict[str, Any]:
-    try:
-        response.read()
-    except httpx.HTTPError as exc:
-        raise _transport_error(exc) from None
-    return _json(response.content, "response")
-
-
 def _message(payload: dict[str, Any]) -> tuple[str, str]:
     """The text and finish reason of a non-streamed completion."""
     try:
@@ -532,16 +787,15 @@ def _message(payload: dict[str, Any]) -> tuple[str, str]:
     return text, finish
 
 
-def _whole(response: httpx.Response) -> Iterator[dict[str, Any]]:
+def _whole(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """A non-streamed completion as the one stream event it would have been."""
-    payload = _read_json(response)
     text, finish = _message(payload)
     yield {"choices": [{"delta": {"content": text}, "finish_reason": finish}], "model": payload.get("model")}
     if payload.get("usage"):
         yield {"choices": [], "usage": payload["usage"]}
 
 
-def _json(raw: bytes, what: str) -> dict[str, Any]:
+def _json(raw: bytes | str, what: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -562,13 +816,13 @@ def _usage(raw: object) -> Usage | None:
 
 def _transport_error(exc: httpx.HTTPError) -> CloudError:
     if isinstance(exc, httpx.TimeoutException):
-        return CloudError(f"the cloud did not answer in time ({type(exc).__name__})", "timeout")
+        return CloudError(f"the cloud did not answer in time ({type(exc).__name__}: {_short(str(exc))})", "timeout")
     return CloudError(f"the connection to the cloud failed: {type(exc).__name__}: {_short(str(exc))}", "connection")
 
 
-def _status_error(response: httpx.Response) -> CloudError:
+def _status_error(response: httpx.Response, body: bytes, scrub: Callable[[str], str]) -> CloudError:
     status = response.status_code
-    message, code = _error_detail(response)
+    message, code = _error_detail(body, scrub)
     retry_after = _retry_after(response.headers)
     detail = f"the cloud answered HTTP {status}" + (f": {message}" if message else "")
     if status in (401, 403):
@@ -582,22 +836,23 @@ def _status_error(response: httpx.Response) -> CloudError:
     return CloudError(detail, "bad_request", status)
 
 
-def _error_detail(response: httpx.Response) -> tuple[str, str]:
-    """The server's error message and its code/type, from an OpenAI-style error body if there is one."""
+def _error_detail(body: bytes, scrub: Callable[[str], str]) -> tuple[str, str]:
+    """The server's error message (scrubbed before it is shortened, so no part of the key is left) and
+    its code/type, from an OpenAI-style error body if there is one."""
     try:
-        error = response.json().get("error")
+        error = json.loads(body).get("error")
     except (ValueError, AttributeError, UnicodeDecodeError):
-        return _short(response.text), ""
+        return _short(scrub(body.decode("utf-8", "replace"))), ""
     if isinstance(error, dict):
         code = f"{error.get('code') or ''} {error.get('type') or ''}".lower()
-        return _short(str(error.get("message") or "")), code
-    return _short(str(error or "")), ""
+        return _short(scrub(str(error.get("message") or ""))), code
+    return _short(scrub(str(error or ""))), ""
 
 
-def _event_error(event: dict[str, Any]) -> CloudError:
+def _event_error(event: dict[str, Any], scrub: Callable[[str], str]) -> CloudError:
     error = event.get("error")
     message = error.get("message") if isinstance(error, dict) else error
-    return CloudError(f"the cloud reported an error mid-stream: {_short(str(message or event))}", "server")
+    return CloudError(f"the cloud reported an error mid-stream: {_short(scrub(str(message or event)))}", "server")
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -617,6 +872,16 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+def _checked_key(raw: str | None) -> str | None:
+    """The API key as the header will carry it, without the whitespace a paste leaves around it."""
+    key = (raw or "").strip()
+    if any(not " " <= c <= "~" for c in key):
+        raise InvalidOptionError(
+            "the API key (api_key= or OPENAI_API_KEY) has a control or non-ASCII character in it: set it again"
+        )
+    return key or None
 
 
 def _endpoint(url: str) -> str:

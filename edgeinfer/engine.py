@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Literal
@@ -22,7 +23,7 @@ import numpy as np
 
 from edgeinfer.backends import backend_class
 from edgeinfer.backends.base import DEFAULT_BATCH_SIZE, Backend, BackendOptions
-from edgeinfer.chat import ChatTemplate, Message
+from edgeinfer.chat import MAX_CONTENT_CHARS, ChatTemplate, Message, content_spans
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.metrics import Metrics
@@ -116,13 +117,20 @@ class AsyncStream(AsyncIterator[str]):
     """The async twin of Stream: the decode loop runs in a worker thread.
 
     Cancelling the consuming task, ``aclose()``, leaving ``async with``, or dropping
-    the stream cancels the generation.
+    the stream cancels the generation. So does leaving it unfinished (``break`` out of
+    ``async for``): the generation is cancelled when the task that read it ends, or when
+    that task starts reading another stream of the same engine. A stream left unfinished
+    while its task goes on with other work holds the engine until ``max_tokens``, as a
+    slow reader would; other calls wait their turn.
     """
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, stream: Stream, on_start: Callable[[AsyncStream], None] | None = None) -> None:
         self._stream = stream
+        self._on_start = on_start
         self._queue: asyncio.Queue[object] | None = None
         self._worker: asyncio.Future[None] | None = None
+        self.reader: asyncio.Task[Any] | None = None
+        self.finished = False
 
     @property
     def result(self) -> Result | None:
@@ -132,13 +140,20 @@ class AsyncStream(AsyncIterator[str]):
         if self._queue is None:
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
+            self.reader = asyncio.current_task()
+            if self._on_start is not None:
+                self._on_start(self)
+            if self.reader is not None:
+                alive = weakref.ref(self)  # a strong one would keep a dropped stream, which cancels, alive
+                self.reader.add_done_callback(lambda _: (stream := alive()) is not None and stream.cancel())
             self._worker = loop.run_in_executor(None, _pump, self._stream, loop, self._queue)
         try:
             item = await self._queue.get()
         except asyncio.CancelledError:
-            self._stream.cancel()
+            self.cancel()
             raise
         if item is _END or isinstance(item, BaseException):
+            self.finished = True
             await self._worker  # type: ignore[misc]  # it has just put its last item
             if isinstance(item, BaseException):
                 raise item
@@ -150,7 +165,7 @@ class AsyncStream(AsyncIterator[str]):
 
     async def aclose(self) -> None:
         """Cancel and wait until the worker has let go of the engine."""
-        self._stream.cancel()
+        self.cancel()
         if self._worker is not None:
             await self._worker
 
@@ -161,7 +176,7 @@ class AsyncStream(AsyncIterator[str]):
         await self.aclose()
 
     def __del__(self) -> None:
-        self._stream.cancel()
+        self.cancel()
 
 
 _END = object()
@@ -271,6 +286,7 @@ class Engine:
         self._last_prompt: tuple[list[int], np.ndarray] | None = None
         self._lock = threading.Lock()
         self._owner: int | None = None
+        self._async_streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()  # being read, for _started_async
         self._closed = False
         if self.kv_policy.name != "error" and not self.backend.can_shift:
             self.close()
@@ -322,7 +338,14 @@ class Engine:
 
     def astream(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> AsyncStream:
         """Async ``stream``: ``async for piece in engine.astream(...)``."""
-        return AsyncStream(self.stream(prompt, params, **options))
+        return AsyncStream(self.stream(prompt, params, **options), on_start=self._started_async)
+
+    def _started_async(self, stream: AsyncStream) -> None:
+        """A task that starts reading a new stream has left its earlier unfinished one: cancel that one."""
+        for earlier in list(self._async_streams):
+            if stream.reader is not None and earlier.reader is stream.reader and not earlier.finished:
+                earlier.cancel()
+        self._async_streams.add(stream)
 
     def render(self, messages: Sequence[Message]) -> str:
         """The prompt text the chat template makes of ``messages``."""
@@ -331,11 +354,24 @@ class Engine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids the engine feeds the model for ``prompt``."""
         if isinstance(prompt, str):
+            if len(prompt) > MAX_CONTENT_CHARS:
+                raise InvalidOptionError(
+                    f"the prompt is {len(prompt):,} characters, over the limit of {MAX_CONTENT_CHARS:,}; shorten it"
+                )
             return self.tokenizer.encode(prompt)
         text = self.render(prompt)
         bos = self.tokenizer.token_text(self.tokenizer.bos_id)
+        # Message content is text, even where it spells a control token: only the template's own
+        # markup may open or close a turn, so no message can forge a system turn.
+        literal, missing = content_spans(text, prompt)
+        for i in missing:
+            if self.tokenizer.has_markers(prompt[i]["content"]):
+                raise InvalidOptionError(
+                    f"message {i} contains control-token text such as '<|im_end|>', and this model's chat template "
+                    "rewrites message text, so it cannot be kept as plain text; remove it"
+                )
         # A template that writes BOS itself must not get a second one.
-        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)), literal=literal)
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """The ``(len(tokens), n_vocab)`` logits of every position, from an empty cache (for scoring).

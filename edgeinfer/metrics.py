@@ -38,7 +38,14 @@ class Metrics:
 
     @property
     def tpot_s(self) -> float:
-        """Time per output token after the first."""
+        """Time per output token after the first, from when the first and the last were made.
+
+        Not from ``total_s - ttft_s``: a router shows a held-back probe at once, and the
+        caller's clock would count those tokens as taking no time.
+        """
+        times = self.token_times_s
+        if len(times) > 1:
+            return (times[-1] - times[0]) / (len(times) - 1)
         return (self.total_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
     @property

@@ -3,11 +3,28 @@
 Built in: e-mail addresses, phone numbers, API keys and tokens, and card-like numbers (13 to 19
 digits that pass the Luhn check, so a long sum does not count). Add your own patterns with
 ``PrivacyRule`` or plain regular expressions.
+
+Every rule, yours too, sees the prompt after Unicode NFKC normalization and with zero-width and
+other invisible format characters removed, so ``john＠example.com`` (a full-width @), ``john\u200b@
+example.com`` (a zero-width space) and full-width digits are caught as their plain forms.
+
+What the detectors catch: addresses written as ``name@host.tld``; phone numbers of 8 digits or
+more, with a ``+`` country code or in groups joined by spaces, dots or dashes; keys with a known
+prefix (``sk-`` followed by 16 or more characters, or 8 or more with a digit among them, ``ghp_``, ``github_pat_``,
+``AKIA``, ``xox?-``, ``AIza``, ``hf_``), JSON web tokens, PEM private keys, ``Bearer`` tokens and
+``api_key=``/``password:``-style assignments; card numbers that pass the Luhn check.
+
+What they miss: spelled-out forms (``john at example dot com``, digits written as words),
+look-alike letters from other scripts (a Cyrillic ``е`` is not an ``e``), phone numbers in one
+run of fewer than 8 digits or with no separators at all, keys with no known prefix and no
+``key=`` before them, and personal data with no fixed shape (names, addresses, health details):
+add rules for what your prompts hold.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,7 +62,7 @@ BUILTIN_RULES: tuple[PrivacyRule, ...] = (
     PrivacyRule(
         "API key or token",
         re.compile(
-            r"\b(?:sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|AKIA[0-9A-Z]{16}|"
+            r"\b(?:sk-(?:[A-Za-z0-9_-]{16,}|(?=[A-Za-z0-9_-]*\d)[A-Za-z0-9_-]{8,})|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|AKIA[0-9A-Z]{16}|"
             r"xox[abprs]-[A-Za-z0-9-]{10,}|AIza[0-9A-Za-z_-]{35}|hf_[A-Za-z0-9]{30,}|"
             r"eyJ[\w-]{8,}\.[\w-]{8,}\.[\w-]{8,})|"
             r"-----BEGIN [A-Z ]*PRIVATE KEY-----|"
@@ -94,8 +111,16 @@ class PrivacyRules:
         self.rules: Sequence[PrivacyRule] = tuple(rules)
 
     def first_match(self, text: str) -> str | None:
-        """The name of the first rule ``text`` matches, or None."""
+        """The name of the first rule ``text`` matches (once normalized: see the module), or None."""
+        text = normalize(text)
         for rule in self.rules:
             if rule.matches(text):
                 return rule.name
         return None
+
+
+def normalize(text: str) -> str:
+    """``text`` as the rules see it: NFKC (full-width and other compatibility forms become plain ones),
+    without format characters (zero-width spaces and joiners, soft hyphens, byte-order marks), which
+    split a match and are invisible on screen."""
+    return "".join(c for c in unicodedata.normalize("NFKC", text) if unicodedata.category(c) != "Cf")

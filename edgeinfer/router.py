@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -93,10 +94,16 @@ class Policy:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidOptionError(f"unknown routing policy {self.mode!r}; choose one of {', '.join(MODES)}")
-        unknown = set(self.weights) - set(SIGNALS)
-        if unknown or any(w < 0 for w in self.weights.values()):
+        if not math.isfinite(self.threshold):  # nan compares false with every score: auto would never escalate
             raise InvalidOptionError(
-                f"weights are non-negative numbers for the signals {', '.join(SIGNALS)}; got {dict(self.weights)}"
+                f"the routing threshold must be a finite number, got {self.threshold}; "
+                "`edgeinfer router calibrate` picks one"
+            )
+        unknown = set(self.weights) - set(SIGNALS)
+        if unknown or not all(math.isfinite(w) and w >= 0 for w in self.weights.values()):
+            raise InvalidOptionError(
+                f"weights are finite non-negative numbers for the signals {', '.join(SIGNALS)}; "
+                f"got {dict(self.weights)}"
             )
         if self.probe_tokens < 1:
             raise InvalidOptionError(f"probe_tokens must be at least 1, got {self.probe_tokens}")
@@ -150,6 +157,20 @@ class _Ledger:
 
 
 @dataclass
+class CloudMetrics(Metrics):
+    """A cloud answer's metrics: its tokens (as the server counted them, or counted here), and when each
+    piece of its stream arrived (``token_times_s``; a piece is about a token), which the decode row's
+    percentiles read. Nothing ran locally: ``format`` leaves out prefill, stage times and the KV cache."""
+
+    def format(self) -> str:
+        rows = super().format().splitlines()
+        return "\n".join(row for row in rows if row.split(":")[0].strip() not in _LOCAL_ONLY_ROWS)
+
+
+_LOCAL_ONLY_ROWS = ("prefill", "stages", "KV cache")
+
+
+@dataclass
 class RoutedResult(Result):
     """A Result that says where it was answered and why.
 
@@ -157,7 +178,8 @@ class RoutedResult(Result):
     ``degraded``: a failure changed the route (the answer is not what the policy chose).
     ``score``/``signals``: the escalation score and its parts (``auto`` only). ``local_usage``/
     ``cloud_usage``: tokens each side used for this call; ``cloud_cost``: at the cloud's prices.
-    ``metrics``: the answering side's counters, with ``ttft_s``/``total_s`` as the caller saw them.
+    ``metrics``: the answering side's counters (``CloudMetrics`` for a cloud answer),
+    with ``ttft_s``/``total_s`` as the caller saw them.
     """
 
     reason: str = ""
@@ -316,6 +338,7 @@ class _Routing:
         self.start = perf_counter()
         self.ttft_s = 0.0
         self.shown: list[str] = []
+        self.cloud_times: list[float] = []  # when each cloud piece was shown, from the start
         self.route: Literal["local", "cloud"] = "local"
         self.reason = ""
         self.degraded = False
@@ -456,7 +479,7 @@ class _Routing:
     ) -> Generator[str, None, None]:
         self.route = "cloud"
         self.router._ledger.charge(requests=1)
-        # Always a streamed request, for chat too: its headers come at once, so a cancel can cut it.
+        # Always a streamed request, for chat too: what arrives before a failure is kept, and continued locally.
         cloud_stream = self.cloud.stream(messages, self.params, cancel=self.call.cloud_cancel)
         self.call.cloud = cloud_stream
         try:
@@ -468,9 +491,9 @@ class _Routing:
             self.local_usage = Usage(len(self.local.tokenize(self.messages)), len(fallback[0].logprobs), estimated=True)
             fallback[0].close()
         if first:
-            yield from self._show([first])
+            yield from self._show([first], self.cloud_times)
         try:
-            yield from self._show(cloud_stream)
+            yield from self._show(cloud_stream, self.cloud_times)
         except CloudError as err:
             self._count_cloud(cloud_stream.usage, messages, cloud_stream.finish_reason)
             if err.kind == "cancelled":
@@ -526,10 +549,14 @@ class _Routing:
 
     # -- what the caller sees ------------------------------------------------------------------
 
-    def _show(self, chunks: Iterable[str]) -> Generator[str, None, None]:
+    def _show(self, chunks: Iterable[str], times: list[float] | None = None) -> Generator[str, None, None]:
+        """Pass ``chunks`` to the caller; ``times``, if given, gets when each was shown."""
         for chunk in chunks:
+            now = perf_counter() - self.start
             if not self.shown:
-                self.ttft_s = perf_counter() - self.start
+                self.ttft_s = now
+            if times is not None:
+                times.append(now)
             self.shown.append(chunk)
             yield chunk
 
@@ -538,7 +565,9 @@ class _Routing:
         text = "".join(self.shown)
         local = self.local_result
         if self.route == "local" and local is not None:
-            metrics = dataclasses.replace(local.metrics, ttft_s=self.ttft_s or local.metrics.ttft_s, total_s=total)
+            metrics: Metrics = dataclasses.replace(
+                local.metrics, ttft_s=self.ttft_s or local.metrics.ttft_s, total_s=total
+            )
             result = RoutedResult(
                 text,
                 local.tokens,
@@ -552,11 +581,12 @@ class _Routing:
             )
         else:
             finish: FinishReason = "cancelled" if self.call.cancelled else self.cloud_finish
-            metrics = Metrics(
+            metrics = CloudMetrics(
                 prompt_tokens=self.cloud_usage.prompt_tokens,
                 output_tokens=self.cloud_usage.completion_tokens,
                 ttft_s=self.ttft_s,
                 total_s=total,
+                token_times_s=self.cloud_times,
             )
             result = RoutedResult(text, [], finish, metrics, self.cloud_model, "cloud", self.route)
         result.reason, result.degraded, result.score, result.signals = (

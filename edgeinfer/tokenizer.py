@@ -2,12 +2,20 @@
 
 Using llama.cpp's tokenizer everywhere means every backend sees exactly the
 token ids llama.cpp would, pre-tokenizer quirks included.
+
+Any thread may call it, also while another closes it: the native vocabulary is used
+and freed under one lock, so a call after ``close()`` is a clear error, never a
+freed pointer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 from edgeinfer.backends import LOAD_ERRORS
@@ -27,6 +35,7 @@ class Tokenizer:
                 "install it as README.md shows"
             ) from None
         self._model = None
+        self._lock = threading.Lock()  # held around every use of the native vocabulary, and its freeing
         self._lib = llama_lib()
         self._model = load_model(str(path), vocab_only=True)
         self._vocab = self._lib.llama_model_get_vocab(self._model)
@@ -36,16 +45,34 @@ class Tokenizer:
         self.add_bos: bool = bool(self._lib.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, bytes] = {}
 
-    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(
+        self,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = True,
+        literal: Sequence[tuple[int, int]] = (),
+    ) -> list[int]:
         """Token ids for ``text``. ``add_special`` adds BOS if the model wants it;
-        ``parse_special`` turns markers such as ``<|im_start|>`` into their single tokens."""
-        self._check_open()
+        ``parse_special`` turns markers such as ``<|im_start|>`` into their single tokens,
+        except inside the ``literal`` character spans (a chat's message contents), where a
+        marker someone typed stays text and cannot forge a turn."""
         try:
-            data = text.encode("utf-8")
+            text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidOptionError(
                 f"the text is not valid Unicode (an undecodable byte at position {exc.start}); pass UTF-8 text"
             ) from None
+        with self._open():
+            if not parse_special or not literal:
+                return self._tokenize(text, add_special, parse_special)
+            tokens: list[int] = []
+            for i, (piece, special) in enumerate(self._split_forged(text, literal)):
+                tokens += self._tokenize(piece, add_special and i == 0, special)
+            return tokens
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
         capacity = len(data) + 2
         buf = (ctypes.c_int32 * capacity)()
         n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
@@ -55,11 +82,49 @@ class Tokenizer:
             n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
 
+    def _split_forged(self, text: str, literal: Sequence[tuple[int, int]]) -> Iterator[tuple[str, bool]]:
+        """``text`` in pieces, each with whether to parse markers in it; a marker inside a literal span is one piece.
+
+        A piece boundary can change how the text beside it tokenizes, so only forged markers get one.
+        """
+        done = 0
+        for start, end in sorted(literal):
+            if not self._has_markers(text[start:end]):
+                continue  # the usual case, and cheap to tell
+            for found in self._markers.finditer(text, start, end):
+                if found.start() > done:
+                    yield text[done : found.start()], True
+                yield found.group(), False
+                done = found.end()
+        yield text[done:], True
+
+    def has_markers(self, text: str) -> bool:
+        """Whether ``text`` holds a control token's text, such as ``<|im_end|>``."""
+        with self._open():
+            return self._has_markers(text)
+
+    def _has_markers(self, text: str) -> bool:
+        return self._tokenize(text, False, True) != self._tokenize(text, False, False)
+
+    @cached_property
+    def _markers(self) -> re.Pattern[str]:
+        """Every control and unknown token's text: what llama.cpp turns into one token when parsing specials."""
+        lib, vocab = self._lib, self._vocab
+        flags = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = {
+            self._render(token, special=True).decode("utf-8", "replace")
+            for token in range(self.n_vocab)
+            if lib.llama_vocab_get_attr(vocab, token) & flags
+        }
+        longest_first = sorted((t for t in texts if t), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
     def piece(self, token: int) -> bytes:
         """The bytes a generated token stands for; control tokens (EOS, ...) render as nothing."""
         cached = self._pieces.get(token)
         if cached is None:
-            cached = self._pieces[token] = self._render(token, special=False)
+            with self._open():
+                cached = self._pieces[token] = self._render(token, special=False)
         return cached
 
     def token_text(self, token: int) -> str:
@@ -69,20 +134,25 @@ class Tokenizer:
         """
         if not 0 <= token < self.n_vocab:
             return ""
-        return self._render(token, special=True).decode("utf-8", "replace")
+        with self._open():
+            return self._render(token, special=True).decode("utf-8", "replace")
 
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def is_end_of_generation(self, token: int) -> bool:
-        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+        with self._open():
+            return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
-    def _check_open(self) -> None:
-        if self._model is None:
-            raise EdgeInferError("this tokenizer is closed (its engine was closed); create a new Engine")
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Hold the vocabulary open for a native call; a closed tokenizer is an error."""
+        with self._lock:
+            if self._model is None:
+                raise EdgeInferError("this tokenizer is closed (its engine was closed); create a new Engine")
+            yield
 
     def _render(self, token: int, *, special: bool) -> bytes:
-        self._check_open()
         buf = ctypes.create_string_buffer(64)
         n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -91,9 +161,11 @@ class Tokenizer:
         return buf.raw[:n]
 
     def close(self) -> None:
-        if self._model:
-            self._lib.llama_model_free(self._model)
-            self._model = None
+        """Free the vocabulary, after any call in progress in another thread has finished."""
+        with self._lock:
+            if self._model:
+                self._lib.llama_model_free(self._model)
+                self._model = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already

@@ -14,9 +14,11 @@ set them in the environment the process starts with.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -215,11 +217,33 @@ def list_models() -> list[ModelListing]:
     return listings
 
 
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def _local_file(path: Path) -> Path:
-    if path.is_dir():
+    """``path`` if it is a regular file (through any symbolic links); else a one-line error saying what it is."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ModelNotFoundError(
+                f"{path} is a symbolic link to {os.readlink(path)}, which does not exist; point it at the .gguf file"
+            ) from None
+        raise ModelNotFoundError(f"model file not found: {path} ({_SPEC_HINT})") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ModelNotFoundError(f"{path} is a loop of symbolic links; pass the .gguf file itself") from None
+        raise ModelNotFoundError(f"cannot read the model file {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
         raise ModelNotFoundError(f"{path} is a directory; pass the .gguf file inside it")
-    if not path.is_file():
-        raise ModelNotFoundError(f"model file not found: {path} ({_SPEC_HINT})")
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), None)
+    if kind is not None:
+        raise ModelNotFoundError(f"{path} is {kind}, not a model file; pass a .gguf file")
     return path
 
 

@@ -14,6 +14,17 @@ Faults are queued and each is used by the next request::
     server.fail("invalid_json")                        # a JSON body (even when streaming was asked) that is not JSON
     server.fail("error_event", after=1)                # an {"error": ...} event mid-stream
     server.fail("slow", seconds=0.2)                   # a pause before each chunk
+    server.fail("status", status=401, echo_auth=True)   # an error that quotes the Authorization header back
+
+And hostile ones, each for at most ``duration`` seconds (then the connection is closed)::
+
+    server.fail("silent")                              # read the request, never send headers
+    server.fail("no_newline", seconds=0)               # "data: xxxx..." without a newline, a chunk every `seconds`
+    server.fail("no_done", seconds=0)                  # valid text chunks, never data: [DONE]
+    server.fail("huge", size=10 << 20)                 # a reply of `size` bytes (events or one JSON body)
+    server.fail("html")                                # 200 with a text/html page, as a wrong URL gets
+
+``backlog_full()`` gives a URL whose connections never complete (a listener that accepts nobody).
 
 Every request is recorded (``requests``), and so is a client that hung up mid-stream
 (``hangups``), so a test can tell that cancelling reached the server.
@@ -27,6 +38,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,6 +53,8 @@ class Fault:
     seconds: float = 0.0
     after: int = 1
     echo_auth: bool = False
+    size: int = 10 << 20
+    duration: float = 30.0
 
 
 @dataclass
@@ -127,8 +141,11 @@ class _Handler(BaseHTTPRequestHandler):
             api.hangups += 1
             return
         if fault is not None and fault.kind == "status":
-            message = f"injected {fault.status}" + (f" for {authorization}" if fault.echo_auth else "")
-            return self._error(fault.status, message, fault)
+            # Echoed as servers and proxies do: as sent, and as Python shows the header's bytes.
+            echo = f" for {authorization} ({str(authorization).encode()!r})" if fault.echo_auth else ""
+            return self._error(fault.status, f"injected {fault.status}{echo}", fault)
+        if fault is not None and fault.kind in _HOSTILE:
+            return _HOSTILE[fault.kind](self, fault, body)
         words = api.reply_to(body.get("messages", [])).split(" ")
         pieces = [w + " " for w in words[:-1]] + [words[-1]]
         limit = int(body.get("max_tokens") or len(pieces))
@@ -190,9 +207,57 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self._event({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
         self._event({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-        self._event({"choices": [], "usage": usage})
+        if usage:
+            self._event({"choices": [], "usage": usage})
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
+
+    def _silent(self, fault: Fault, body: dict[str, Any]) -> None:
+        if self._client_left(fault.duration):
+            self.api.hangups += 1
+        self.close_connection = True
+
+    def _no_newline(self, fault: Fault, body: dict[str, Any]) -> None:
+        self._endless(fault, b"data: ", lambda: b"x" * 4096)
+
+    def _no_done(self, fault: Fault, body: dict[str, Any]) -> None:
+        event = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "model": self.api.model}
+        event["choices"] = [{"index": 0, "delta": {"content": "more "}, "finish_reason": None}]
+        chunk = f"data: {json.dumps(event)}\n\n".encode()
+        self._endless(fault, b"", lambda: chunk)
+
+    def _endless(self, fault: Fault, first: bytes, chunk: Callable[[], bytes]) -> None:
+        """Send ``first``, then ``chunk()`` every ``fault.seconds`` until the client leaves or ``duration`` is up."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if first:  # an empty chunk would end the body
+            self._chunk(first)
+        end = time.monotonic() + fault.duration
+        while time.monotonic() < end:
+            if fault.seconds and self._client_left(fault.seconds):
+                self.api.hangups += 1
+                return
+            self._chunk(chunk())  # a client gone raises BrokenPipeError: counted by do_POST
+        self.connection.shutdown(socket.SHUT_RDWR)  # no final chunk: the body ends cut
+        self.close_connection = True
+
+    def _huge(self, fault: Fault, body: dict[str, Any]) -> None:
+        text = "x" * fault.size
+        if body.get("stream") and not self.api.ignore_stream:
+            step = 1 << 16
+            self._stream([text[i : i + step] for i in range(0, len(text), step)], "stop", {}, None)
+        else:
+            self._complete(text, "stop", {}, None)
+
+    def _html(self, fault: Fault, body: dict[str, Any]) -> None:
+        data = b"<!doctype html><html><body><h1>Welcome to nginx!</h1></body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _client_left(self, seconds: float) -> bool:
         """Wait ``seconds``, watching the connection as a server does; True if the client hung up."""
@@ -227,3 +292,37 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Retry-After", f"{fault.retry_after:g}")
         self.end_headers()
         self.wfile.write(data)
+
+
+_HOSTILE: dict[str, Callable[[_Handler, Fault, dict[str, Any]], None]] = {
+    "silent": _Handler._silent,
+    "no_newline": _Handler._no_newline,
+    "no_done": _Handler._no_done,
+    "huge": _Handler._huge,
+    "html": _Handler._html,
+}
+
+
+@contextlib.contextmanager
+def backlog_full() -> Iterator[str]:
+    """A cloud URL whose connections never complete: its listener accepts nobody, and its queue is full."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:
+        while True:  # fill the accept queue; the connect after the last that fits waits forever
+            sock = socket.socket()
+            sock.settimeout(0.2)
+            try:
+                sock.connect(("127.0.0.1", port))
+            except TimeoutError:
+                sock.close()
+                break
+            queued.append(sock)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for sock in queued:
+            sock.close()
+        listener.close()

@@ -239,3 +239,51 @@ def test_pull_of_a_file_that_is_not_a_model(runner, tmp_path):
 def test_a_directory_is_not_a_model(runner, tmp_path):
     result = runner.invoke(cli, ["run", "hi", "--model", str(tmp_path)])
     assert result.exit_code == 1 and "is a directory" in result.stderr
+
+
+def test_an_endless_standard_input_is_refused_at_the_limit():
+    # `yes | edgeinfer run` read all of its input before checking it: gigabytes in seconds.
+    for source in (["yes"], ["cat", "/dev/zero"]):
+        feeder = subprocess.Popen(source, stdout=subprocess.PIPE)
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "edgeinfer", "run"],
+                stdin=feeder.stdout,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            feeder.kill()
+            feeder.wait()
+        assert proc.returncode == 1
+        assert proc.stderr == "error: the prompt on standard input is over 1,000,000 characters; pass a shorter one\n"
+
+
+def test_a_closed_standard_input_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run"], stdin=None, capture_output=True, text=True, timeout=60,
+        pass_fds=(), close_fds=True, preexec_fn=lambda: os.close(0),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == "error: no prompt: pass it as an argument or on standard input (standard input is closed)\n"
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda p: os.mkfifo(p), "is a named pipe (FIFO), not a model file"),
+        (lambda p: os.symlink(p, p), "is a loop of symbolic links"),
+        (lambda p: os.symlink(p.parent / "gone.gguf", p), "gone.gguf, which does not exist"),
+    ],
+)
+def test_a_model_path_that_is_not_a_file_says_what_it_is(runner, tmp_path, make, says):
+    path = tmp_path / "model.gguf"
+    make(path)
+    result = runner.invoke(cli, ["run", "hi", "--model", str(path)])
+    assert result.exit_code == 1 and says in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_device_is_not_a_model(runner):
+    result = runner.invoke(cli, ["run", "hi", "--model", "/dev/zero"])
+    assert result.exit_code == 1 and "/dev/zero is a character device, not a model file" in result.stderr

@@ -10,7 +10,7 @@ import pytest
 
 from edgeinfer import CloudError, CloudModel, InvalidOptionError
 
-from openai_server import OpenAIServer
+from openai_server import OpenAIServer, backlog_full
 
 KEY = "sk-test-0123456789abcdefghij"
 HELLO = [{"role": "user", "content": "Hello?"}]
@@ -181,6 +181,102 @@ def test_the_api_key_is_never_shown(server, caplog):
         cloud.complete(HELLO)
     assert "[redacted]" in str(info.value) and KEY not in str(info.value)
     assert KEY not in caplog.text
+
+
+def pieces_of(key: str, n: int = 8) -> list[str]:
+    """Every run of ``n`` characters of ``key``: none may show anywhere."""
+    return [key[i : i + n] for i in range(len(key) - n + 1)]
+
+
+def test_the_key_is_scrubbed_before_a_long_message_is_cut_short(server):
+    key = "sk-" + "a1b2c3" * 20  # long: the echoed message is cut in the middle of its second copy
+    server.fail("status", status=401, echo_auth=True)
+    with pytest.raises(CloudError) as info:
+        make(server, api_key=key).complete(HELLO)
+    assert "[redacted]" in str(info.value) and not [p for p in pieces_of(key) if p in str(info.value)]
+
+
+def test_the_key_loses_pasted_whitespace_and_a_bad_one_is_refused_unseen(server, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", f"  {KEY}\r\n")
+    assert CloudModel(server.url, "big-model").complete(HELLO).text.startswith("Hello")
+    assert server.requests[-1].authorization == f"Bearer {KEY}"
+    for bad in (f"{KEY}\x00tail", f"sk-tëst-{KEY[8:]}", f"{KEY[:10]}\n{KEY[10:]}"):
+        with pytest.raises(InvalidOptionError, match="control or non-ASCII") as info:
+            CloudModel(server.url, "big-model", api_key=bad)
+        message = str(info.value)
+        assert "\n" not in message and not [p for p in pieces_of(bad, 6) if p in message]
+
+
+def test_a_200_web_page_is_named_as_such_and_not_retried(server):
+    for call in (lambda cloud: cloud.complete(HELLO), lambda cloud: list(cloud.stream(HELLO))):
+        server.fail("html")
+        with pytest.raises(CloudError, match="answered text/html, not an event stream or JSON.*--cloud-url") as info:
+            call(make(server))
+        assert info.value.kind == "protocol"
+    assert len(server.requests) == 2
+
+
+def test_a_line_that_never_ends_is_cut_at_its_bound(server):
+    server.fail("no_newline", seconds=0.001, duration=4)  # 4 MB/s, without a newline
+    start = time.monotonic()
+    with pytest.raises(CloudError, match="line longer than") as info:
+        list(make(server, read_timeout=5).stream(HELLO))
+    assert info.value.kind == "protocol" and time.monotonic() - start < 2.5
+
+
+def test_the_total_timeout_holds_while_a_stream_trickles(server):
+    server.fail("no_newline", seconds=0.05, duration=6)  # a read never waits long: only the total bounds it
+    start = time.monotonic()
+    with pytest.raises(CloudError, match="total timeout of 1 s") as info:
+        list(make(server, read_timeout=5, total_timeout=1).stream(HELLO))
+    assert info.value.kind == "timeout" and time.monotonic() - start < 2.5
+
+
+def test_a_stream_that_never_sends_done_is_cut_for_its_max_tokens(server):
+    server.fail("no_done", seconds=0.0005, duration=4)
+    pieces = []
+    with pytest.raises(CloudError, match="more than 96 pieces of text for max_tokens=40") as info:
+        for piece in make(server, read_timeout=5).stream(HELLO, max_tokens=40):
+            pieces.append(piece)
+    assert info.value.kind == "protocol" and len(pieces) == 96
+
+
+def test_a_huge_reply_fails_at_its_bound_while_it_is_read(server):
+    server.fail("huge", size=10 << 20)
+    with pytest.raises(CloudError, match="reply is longer than 4194304 bytes") as info:
+        make(server, read_timeout=5).complete(HELLO, max_tokens=100_000)
+    assert info.value.kind == "protocol"
+    server.fail("huge", size=10 << 20)  # streamed: the text outgrows what max_tokens can hold
+    with pytest.raises(CloudError, match="more than 3072 characters for max_tokens=24"):
+        list(make(server, read_timeout=5).stream(HELLO, max_tokens=24))
+
+
+def aborted(stream) -> tuple[CloudError, float]:
+    """Abort ``stream`` from another thread 0.3 s into its first read: the error, and how long the read took."""
+    threading.Timer(0.3, stream.abort).start()
+    start = time.monotonic()
+    with pytest.raises(CloudError) as info:
+        next(stream)
+    return info.value, time.monotonic() - start
+
+
+def test_cancel_reaches_a_call_waiting_for_headers_on_a_new_or_kept_alive_connection(server):
+    cloud = make(server, read_timeout=5, total_timeout=60)
+    for _ in range(2):  # first on a new connection, then on the one kept alive
+        server.fail("silent")
+        error, seconds = aborted(cloud.stream(HELLO))
+        assert error.kind == "cancelled" and seconds < 1.5
+        assert cloud.complete(HELLO).text.startswith("Hello")  # the next call is not disturbed
+    deadline = time.monotonic() + 2
+    while server.hangups < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.hangups == 2  # the server saw each connection go
+
+
+def test_cancel_reaches_a_call_still_connecting():
+    with backlog_full() as url:
+        error, seconds = aborted(CloudModel(url, "big-model", connect_timeout=5, total_timeout=60).stream(HELLO))
+        assert error.kind == "cancelled" and seconds < 1.5
 
 
 def test_abort_from_another_thread_cuts_the_connection(server):

@@ -202,25 +202,121 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
         convert(hf, out, target_size=10**6, calib=tmp_path / "missing.txt")
 
 
-def test_an_interrupted_conversion_leaves_the_old_file_and_no_partial(tmp_path):
-    hf = tmp_path / "hf"
-    write_tiny_hf(hf, hidden=512, n_head=8, n_kv=8, ff=2048, n_layer=8)  # ~100 MB of F32 to write
-    out = tmp_path / "model.gguf"
-    out.write_bytes(b"the previous model")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgeinfer", "convert", str(hf), "-o", str(out), "--type", "f32"],
+@pytest.fixture(scope="module")
+def big_hf(tmp_path_factory) -> Path:
+    """~100 MB of F32: seconds of work to quantize to Q4_K, time to interrupt a conversion mid-way."""
+    folder = tmp_path_factory.mktemp("big") / "hf"
+    write_tiny_hf(folder, hidden=512, n_head=8, n_kv=8, ff=2048, n_layer=8)
+    return folder
+
+
+def start_conversion(hf: Path, out: Path, *options: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "edgeinfer", "convert", str(hf), "-o", str(out), *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        text=True,
+        # A test runner started under nohup passes SIGHUP on ignored; the conversion must see the default.
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".model.gguf.*.partial")) and proc.poll() is None and time.monotonic() < deadline:
+
+
+def wait_for(proc: subprocess.Popen, folder: Path, pattern: str) -> None:
+    """Return once a file matching ``pattern`` is in ``folder``: the conversion is at that step."""
+    deadline = time.monotonic() + 120
+    while not list(folder.glob(pattern)) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert proc.poll() is None, "the conversion finished before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    assert proc.returncode != 0
+    assert proc.poll() is None and list(folder.glob(pattern)), "the conversion never reached that step"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda signum: signum.name)
+def test_an_interrupted_conversion_leaves_the_old_file_and_no_partial(tmp_path, big_hf, signum):
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"the previous model")
+    proc = start_conversion(big_hf, out, "--type", "q4_k")
+    wait_for(proc, tmp_path, ".model.gguf.*.partial")
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum and "Traceback" not in stderr
+    if signum != signal.SIGINT:  # Ctrl-C's own line is the terminal's ^C
+        assert stderr.splitlines()[-1] == f"error: interrupted by {signum.name}"
     assert out.read_bytes() == b"the previous model"
-    assert sorted(os.listdir(tmp_path)) == ["hf", "model.gguf"]  # no partial file, no temporary vocabulary
+    assert os.listdir(tmp_path) == ["model.gguf"]  # no partial file, no temporary vocabulary
+
+
+def test_a_hangup_during_the_evaluation_removes_the_unquantized_copy(tmp_path, big_hf):
+    out = tmp_path / "model.gguf"
+    proc = start_conversion(big_hf, out, "--type", "q8_0", "--eval", str(CALIB))
+    wait_for(proc, tmp_path, ".*base-*/*.partial")  # writing the F32 model to compare with
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGHUP and stderr.splitlines()[-1] == "error: interrupted by SIGHUP"
+    assert os.listdir(tmp_path) == ["model.gguf"]  # written before the evaluation began; the copy is gone
+
+
+def test_the_next_conversion_removes_what_a_killed_one_left(tmp_path, big_hf):
+    out = tmp_path / "model.gguf"
+    proc = start_conversion(big_hf, out, "--type", "q4_k")
+    wait_for(proc, tmp_path, ".model.gguf.*.partial")
+    proc.kill()  # SIGKILL cannot be caught: the partial file stays
+    proc.wait()
+    (partial,) = tmp_path.glob(".model.gguf.*.partial")
+    dead_folder = tmp_path / f".model.gguf.{proc.pid}.base-x1y2"
+    dead_folder.mkdir()
+    (dead_folder / "base-f32.gguf").write_bytes(b"an unquantized copy")
+    running = tmp_path / f".model.gguf.{os.getppid()}.partial"  # a live process's: still being written
+    running.write_bytes(b"in progress")
+    notes: list[str] = []
+    convert(big_hf, out, qtype="f32", log=notes.append)
+    assert sorted(os.listdir(tmp_path)) == sorted(["model.gguf", running.name])
+    assert f"note: removed {partial.name}, left by a conversion that was killed" in notes
+
+
+def test_an_output_that_is_an_input_is_refused_before_any_work(tmp_path):
+    from click.testing import CliRunner
+
+    from edgeinfer.cli import cli
+
+    hf = tmp_path / "hf"
+    write_tiny_hf(hf, shards=2)
+    text = tmp_path / "calib.txt"
+    text.write_text(CALIB.read_text())
+    (tmp_path / "shard-link.gguf").symlink_to(hf / "model-00001-of-00002.safetensors")
+    os.link(hf / "tokenizer.json", tmp_path / "tokenizer-link.gguf")
+    budget = ["--target-size", "1MB", "--sensitivity", "activation"]
+    cases = {
+        hf / "config.json": [],
+        hf / "model-00002-of-00002.safetensors": [],
+        hf / "model.safetensors.index.json": [],
+        tmp_path / "shard-link.gguf": [],
+        tmp_path / "tokenizer-link.gguf": [],
+        text: [*budget, "--calib", str(text)],
+        tmp_path / "held-out.gguf": ["--eval", str(tmp_path / "held-out.gguf")],
+    }
+    (tmp_path / "held-out.gguf").write_text(CALIB.read_text())
+    before = {path: path.read_bytes() for path in cases}
+    for output, options in cases.items():
+        result = CliRunner().invoke(cli, ["convert", str(hf), "-o", str(output), *options])
+        assert result.exit_code == 1, (output, result.output)
+        assert result.stderr.count("\n") == 1 and "an input of this conversion" in result.stderr  # nothing ran
+    assert {path: path.read_bytes() for path in cases} == before
+    assert (tmp_path / "shard-link.gguf").is_symlink()
+    convert(hf, hf / "model.gguf", qtype="q8_0")
+    convert(hf, hf / "model.gguf", qtype="q4_0")  # a GGUF in the folder is an earlier output, not an input
+
+
+def test_an_output_that_is_not_a_regular_file_is_left_alone(tmp_path):
+    from click.testing import CliRunner
+
+    from edgeinfer.cli import cli
+
+    write_tiny_hf(tmp_path / "hf")
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "hf"), "-o", str(fifo)])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: {fifo} exists and is not a regular file")
+    assert fifo.is_fifo()
 
 
 def test_converted_file_tokenizes_as_the_hf_tokenizer(tmp_path, wide_hf):
@@ -244,3 +340,66 @@ def test_converted_file_tokenizes_as_the_hf_tokenizer(tmp_path, wide_hf):
             )
     finally:
         ours.close()
+
+
+def cli_error(*args: str) -> str:
+    """The line ``edgeinfer convert ARGS`` ends with when it refuses: exit 1, no traceback."""
+    from click.testing import CliRunner
+
+    from edgeinfer.cli import cli
+
+    result = CliRunner().invoke(cli, ["convert", *args])
+    assert result.exit_code == 1, result.output
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: ") and "internal error" not in last and "Traceback" not in result.stderr
+    return last
+
+
+def test_unwritable_and_empty_outputs_are_one_true_line(tmp_path):
+    hf = tmp_path / "hf"
+    write_tiny_hf(hf)
+    # sysfs refuses new files even to root, whom a chmod-ed folder would not stop: it stands in
+    # for any folder this process cannot create files in.
+    if not Path("/sys").is_dir():
+        pytest.skip("needs /sys")
+    assert "cannot create files in /sys (Permission denied)" in cli_error(str(hf), "-o", "/sys/model.gguf")
+    assert "the output path is empty" in cli_error(str(hf), "-o", "")
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_non_finite_weights_are_refused_by_name(tmp_path):
+    hf = tmp_path / "hf"
+    weights = write_tiny_hf(hf)
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    weights["model.layers.0.self_attn.k_proj.weight"][0, 1] = np.inf
+    write_safetensors(hf / "model.safetensors", weights)
+    message = cli_error(str(hf), "-o", str(tmp_path / "out.gguf"), "--type", "q8_0")
+    assert "'model.layers.0.self_attn.k_proj.weight' holds NaN or infinite values" in message
+    weights["model.layers.0.self_attn.k_proj.weight"][0, 1] = 0.0
+    write_safetensors(hf / "model.safetensors", weights)
+    message = cli_error(str(hf), "-o", str(tmp_path / "out.gguf"), "--target-bpw", "5", "--calib", str(CALIB))
+    assert "'model.layers.1.mlp.up_proj.weight' holds NaN or infinite values" in message
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_float_hyperparameters_the_loader_would_refuse_are_refused_by_name(tmp_path):
+    hf = tmp_path / "hf"
+    write_tiny_hf(hf)
+    config = json.loads((hf / "config.json").read_text())
+    for key, value in [
+        ("rope_theta", float("nan")),
+        ("rope_theta", float("inf")),
+        ("rope_theta", -10000.0),
+        ("rope_theta", 0.5),  # frequencies past float range: NaN logits
+        ("rms_norm_eps", float("nan")),
+        ("rms_norm_eps", float("-inf")),
+        ("rms_norm_eps", 1e-12),  # stored in 32 bits, it falls just under the loader's minimum
+        ("rms_norm_eps", 2.0),
+    ]:
+        (hf / "config.json").write_text(json.dumps({**config, key: value}))
+        assert f"'{key}' is {value!r}; it must be a number from" in cli_error(str(hf), "-o", str(tmp_path / "m.gguf"))
+    assert not (tmp_path / "m.gguf").exists()
+    (hf / "config.json").write_text(json.dumps({**config, "rope_theta": 1e6, "rms_norm_eps": 1.0001e-12}))
+    convert(hf, tmp_path / "m.gguf", qtype="f16")
+    hparams = load_model_info(tmp_path / "m.gguf").hparams  # what the converter accepts, the loader does
+    assert hparams.rope_base == 1e6 and hparams.rms_eps == pytest.approx(1.0001e-12, rel=1e-6)

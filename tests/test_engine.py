@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -372,3 +375,86 @@ def test_corrupt_weights_are_reported_not_sampled(model_path, tmp_path):
     broken.write_bytes(data)
     with Engine(broken, kv_budget="512tok", threads=2) as engine, pytest.raises(BackendError, match="NaN or infinite"):
         engine.generate("Hello", max_tokens=3)
+
+
+# -- closing while another thread works -------------------------------------------------------------
+
+RACE = """
+import sys, threading, time
+from edgeinfer import EdgeInferError, Engine
+engine = Engine(sys.argv[1], kv_budget="512tok", threads=1)
+outcome = []
+def tokenize():
+    try:
+        for _ in range(50):
+            engine.tokenize("word " * 40000)
+        outcome.append("finished")
+    except EdgeInferError as exc:
+        outcome.append(str(exc))
+worker = threading.Thread(target=tokenize)
+worker.start()
+time.sleep(0.1)
+engine.close()
+worker.join()
+print(outcome[0])
+"""
+
+
+def test_tokenizing_while_another_thread_closes_is_an_error_not_a_crash(model_path):
+    # The crash this guards against is a segfault, which would take pytest down: run it in a child.
+    proc = subprocess.run([sys.executable, "-c", RACE, str(model_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "closed" in proc.stdout or "finished" in proc.stdout
+
+
+def test_a_backend_used_after_its_engine_closed_is_an_error_not_a_crash(model_path):
+    from edgeinfer import BackendError
+
+    engine = Engine(model_path, kv_budget="512tok", threads=1)
+    backend, tokenizer = engine.backend, engine.tokenizer
+    engine.close()
+    with pytest.raises(BackendError, match="closed"):
+        backend.eval([1, 2], 0)
+    with pytest.raises(BackendError, match="closed"):
+        backend.truncate(0)
+    with pytest.raises(EdgeInferError, match="closed"):
+        tokenizer.piece(5)
+    with pytest.raises(EdgeInferError, match="closed"):
+        tokenizer.is_end_of_generation(2)
+
+
+# -- an async stream left unfinished ------------------------------------------------------------------
+
+
+async def test_an_abandoned_async_stream_does_not_hold_the_engine(engine):
+    stream = engine.astream("Tell me a very long story.", max_tokens=3000, ignore_eos=True, seed=1)
+    async for _ in stream:
+        break  # left unfinished, and still referenced
+    started = time.monotonic()
+    result = await engine.achat(JAPAN, temperature=0, max_tokens=32)  # the same task reads another stream
+    assert time.monotonic() - started < 5  # it waited for all 3,000 tokens before (20 s and more)
+    assert result.text == engine.chat(JAPAN, temperature=0, max_tokens=32).text
+    assert stream.result.finish_reason == "cancelled" and len(stream.result.tokens) < 100
+
+
+ABANDON = """
+import asyncio, sys
+from edgeinfer import Engine
+engine = Engine(sys.argv[1], kv_budget="4096tok", threads=2)
+async def main():
+    stream = engine.astream("Tell me a very long story.", max_tokens=3000, ignore_eos=True, seed=1)
+    async for _ in stream:
+        break
+    main.stream = stream
+asyncio.run(main())
+print(len(main.stream.result.tokens), main.stream.result.finish_reason)
+"""
+
+
+def test_asyncio_run_returns_without_finishing_an_abandoned_stream(model_path):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", ABANDON, str(model_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokens, finish = proc.stdout.split()
+    assert finish == "cancelled" and int(tokens) < 100
+    assert time.monotonic() - started < 30  # generating 3,000 tokens takes 20 s and more here

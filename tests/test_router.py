@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
+import resource
 import threading
 import time
 
@@ -376,6 +378,29 @@ async def test_async_twins_and_cancelling_the_task(make_router, server, local_an
     assert server.hangups == 1
 
 
+async def test_cancelling_reaches_a_cloud_that_never_sends_headers(make_router, server):
+    server.fail("silent")
+    router = make_router("cloud", read_timeout=30, total_timeout=120)
+    start = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(router.achat("hi", **SHORT), 1)
+    assert time.monotonic() - start < 2.5  # the wait_for's 1 s, and the cancel at once (not the 30 s read timeout)
+    deadline = time.monotonic() + 2
+    while server.hangups == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert server.hangups == 1
+
+
+def test_a_huge_cloud_reply_is_cut_while_read_and_the_local_model_answers(make_router, server, local_answer):
+    server.fail("huge", size=10 << 20)  # streamed, with no usage: the old router counted it with the tokenizer
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the peak so far
+    result = make_router("cloud", read_timeout=5).chat(JAPAN, **ANSWER)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert result.route == "local" and result.degraded and result.text == local_answer
+    assert "the cloud failed (protocol: the cloud sent more than 3072 characters" in result.reason
+    assert grown_mib < 200
+
+
 def test_bad_arguments_are_one_line_errors(make_router):
     router = make_router("cloud")
     with pytest.raises(Exception, match="unknown sampling option temprature"):
@@ -386,6 +411,11 @@ def test_bad_arguments_are_one_line_errors(make_router):
         Policy(samples=-1)
     with pytest.raises(InvalidOptionError, match="sample_tokens at least 1"):
         Policy(samples=2, sample_tokens=0)
+    for threshold in (math.nan, math.inf, -math.inf):
+        with pytest.raises(InvalidOptionError, match="routing threshold must be a finite number"):
+            Policy(threshold=threshold)
+    with pytest.raises(InvalidOptionError, match="finite non-negative"):
+        Policy(weights={"arithmetic": math.nan})
     with pytest.raises(Exception, match="not a valid regular expression"):
         Router(router.local, router.cloud, privacy=["("])
     assert isinstance(CloudError("x", "timeout"), Exception)
@@ -439,6 +469,62 @@ def test_cli_auto_without_a_cloud_url_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("EDGEINFER_CLOUD_URL", raising=False)
     result = CliRunner().invoke(cli, [*RUN, "--route", "auto"])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "--cloud-url" in result.stderr
+
+
+@pytest.mark.parametrize("threshold", ["nan", "inf"])
+def test_cli_refuses_a_threshold_that_is_not_a_number(server, threshold):
+    args = ["--route", "auto", "--cloud-url", server.url, "--cloud-model", "m", "--route-threshold", threshold]
+    result = CliRunner().invoke(cli, [*RUN, *args])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and result.stdout == ""
+    assert f"routing threshold must be a finite number, got {threshold}" in result.stderr
+    assert server.requests == []
+
+
+def test_cli_uses_a_key_with_a_pasted_newline_and_never_prints_it(server, monkeypatch):
+    cloud = ["--route", "cloud", "--cloud-url", server.url, "--cloud-model", "m", "--stats"]
+    for ending in ("\n", "\r"):
+        monkeypatch.setenv("OPENAI_API_KEY", KEY + ending)
+        for output in ([], ["--json"]):
+            result = CliRunner().invoke(cli, [*RUN, *cloud, *output])
+            assert result.exit_code == 0, result.output
+            assert "route: cloud" in result.stderr and "reason: policy: cloud" in result.stderr
+            assert KEY[8:] not in result.output and server.requests[-1].authorization == f"Bearer {KEY}"
+
+
+def test_cli_refuses_a_key_with_a_character_a_header_cannot_carry_without_showing_it(server, monkeypatch):
+    cloud = ["--route", "cloud", "--cloud-url", server.url, "--cloud-model", "m", "--stats"]
+    for key in (KEY.replace("test", "tést"), KEY[:12] + "\x01" + KEY[12:]):
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+        result = CliRunner().invoke(cli, [*RUN, *cloud, "--json"])
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+        assert "OPENAI_API_KEY" in result.stderr and "control or non-ASCII" in result.stderr
+        assert "internal error" not in result.stderr
+        assert not [key[i : i + 6] for i in range(len(key) - 5) if key[i : i + 6] in result.output]
+    assert server.requests == []
+
+
+def test_cli_stats_of_a_cloud_answer_are_the_cloud_streams(server, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    server.fail("slow", seconds=0.05)
+    args = ["--route", "cloud", "--cloud-url", server.url, "--cloud-model", "m", "--stats"]
+    result = CliRunner().invoke(cli, [*RUN, *args])
+    assert result.exit_code == 0, result.output
+    stats = result.stderr
+    assert "model: oracle-1 on cloud\n" in stats  # no local threads ran for it
+    assert "KV cache" not in stats and "prefill" not in stats and "stages" not in stats
+    p50 = float(re.search(r"decode: .* P50 ([0-9.]+)", stats).group(1))
+    assert 40 <= p50 < 1000  # ms: the server's 50 ms between pieces
+
+
+def test_a_local_answer_after_a_held_probe_reports_the_models_own_decode_speed(make_router, engine):
+    # All 8 tokens are held by a 16-token probe, then shown at once: no time passes between them for the caller.
+    router = make_router(Policy("auto", threshold=10.0, probe_tokens=16))
+    result = router.chat(JAPAN, temperature=0, max_tokens=8, ignore_eos=True)
+    metrics = result.metrics
+    assert result.route == "local" and metrics.output_tokens == 8
+    gaps = metrics.token_gaps_s
+    assert metrics.tpot_s == pytest.approx(sum(gaps) / len(gaps)) and metrics.tpot_s > 0.5 * min(gaps) > 0
+    assert metrics.ttft_s > metrics.token_times_s[-1] * 0.5  # TTFT is still the caller's: after the probe
 
 
 def test_cli_calibrate_picks_a_threshold_for_the_share(tmp_path):
@@ -549,6 +635,13 @@ def test_privacy_rules_spare_ordinary_numbers():
         assert rules.first_match(text) is None, text
     assert rules.first_match("ssn? no: mail a.b@c.io") == "email address"
     assert rules.first_match("password: hunter2hunter2") == "API key or token"
+
+
+@pytest.mark.parametrize("secret", ["john＠example.com", "john\u200b@example.com", "sk-abc123def456"])
+@pytest.mark.parametrize("policy", ["cloud", "auto"])
+def test_disguised_private_data_stays_on_the_device(make_router, server, secret, policy):
+    result = make_router(policy).chat(f"Please write to {secret} about the invoice.", **SHORT)
+    assert result.route == "local" and result.reason.startswith("private: ") and server.requests == []
 
 
 def test_disagreement_compares_the_first_sentences_content_words():

@@ -304,3 +304,30 @@ async def test_the_route_shows_where_each_answer_came_from_and_why(settings):
             await ready(pilot)
             assert "Tokyo" in await answer(pilot, JAPAN)
             assert len(server.requests) <= 4 and app.status.stats.route == "local"
+
+
+async def test_esc_and_quit_do_not_wait_for_a_cloud_that_never_answers(settings):
+    with OpenAIServer() as server:
+        app = ChatApp(settings.replace(route="cloud", cloud_url=server.url, cloud_model="oracle"))
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            server.fail("silent")  # accepts the request, never sends headers (the read timeout is 30 s)
+            await send(pilot, JAPAN)
+            await until(pilot, lambda: app.answering and len(server.requests) == 1, "the request")
+            await pilot.press("escape")
+            start = time.monotonic()
+            await until(pilot, lambda: not app.answering, "the cancel", timeout=10)
+            assert time.monotonic() - start < 2
+            assert said(app)[-1] == "Cancelled before the answer began." and errors(app) == []
+
+            server.fail("silent")
+            await send(pilot, JAPAN)
+            await until(pilot, lambda: app.answering and len(server.requests) == 2, "the second request")
+            await pilot.press("ctrl+q")
+            start = time.monotonic()
+        assert not app.is_running and time.monotonic() - start < 3
+        assert [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)] == []
+        deadline = time.monotonic() + 2
+        while server.hangups < 2 and time.monotonic() < deadline:  # the server notices within its 20 ms poll
+            time.sleep(0.05)
+        assert server.hangups == 2
