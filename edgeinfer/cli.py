@@ -234,6 +234,13 @@ def run(
             raise
         result = stream.result
         assert result is not None
+        if result.metrics.prompt_cut:
+            kept = result.metrics.prompt_tokens
+            click.echo(
+                f"warning: the prompt was {kept + result.metrics.prompt_cut} tokens; {kept} of them, its start and "
+                f"end, fit the KV budget and were answered (raise --kv-budget to keep all)",
+                err=True,
+            )
         if as_json:
             click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
         elif no_stream:

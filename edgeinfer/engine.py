@@ -491,10 +491,11 @@ class Engine:
         sampler = Sampler(params)
         text = TextStream(params.stop)
         reserve = min(params.max_tokens, self.capacity // 4)
-        prompt = self.kv_policy.fit_prompt(
+        fitted = self.kv_policy.fit_prompt(
             prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=self._budget_text
         )
-        m.prompt_tokens = len(prompt)
+        m.prompt_tokens, m.prompt_cut = len(fitted), len(prompt) - len(fitted)
+        prompt = fitted
 
         # Reuse the cached prefix (a chat's earlier turns). The first new token is drawn from the
         # last prompt token's logits: saved if this prompt was the last one prefilled, else evaluated.

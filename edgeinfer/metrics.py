@@ -20,7 +20,8 @@ class Metrics:
     ``tpot_percentile`` reads the spread of those gaps from ``token_times_s``.
     """
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # as evaluated, after any cut
+    prompt_cut: int = 0  # tokens the KV policy cut from the middle of a prompt too long for the budget
     cached_tokens: int = 0  # prompt tokens reused from the previous call's KV cache
     output_tokens: int = 0
     tokenize_s: float = 0.0
@@ -86,7 +87,12 @@ class Metrics:
         """A short human-readable block, as ``edgeinfer run --stats`` prints it."""
         ms = 1000.0
         rows = [
-            ("tokens", f"{self.prompt_tokens} prompt ({self.cached_tokens} cached), {self.output_tokens} generated"),
+            (
+                "tokens",
+                f"{self.prompt_tokens} prompt ({self.cached_tokens} cached"
+                f"{f', {self.prompt_cut} more cut to fit the KV budget' if self.prompt_cut else ''}), "
+                f"{self.output_tokens} generated",
+            ),
             ("TTFT", f"{self.ttft_s * ms:.1f} ms"),
             (
                 "decode",

@@ -287,3 +287,13 @@ def test_a_model_path_that_is_not_a_file_says_what_it_is(runner, tmp_path, make,
 def test_a_device_is_not_a_model(runner):
     result = runner.invoke(cli, ["run", "hi", "--model", "/dev/zero"])
     assert result.exit_code == 1 and "/dev/zero is a character device, not a model file" in result.stderr
+
+
+def test_a_prompt_cut_to_fit_the_budget_is_a_warning(runner):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 150  # ~1,500 tokens
+    result = runner.invoke(cli, ["run", prompt, "--kv-budget", "512tok", "--max-tokens", "4", "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    warning = next(line for line in result.stderr.splitlines() if line.startswith("warning:"))
+    assert "fit the KV budget" in warning and "--kv-budget" in warning
+    quiet = runner.invoke(cli, ["run", "Hello", "--kv-budget", "512tok", "--max-tokens", "4", "--threads", "2"])
+    assert quiet.exit_code == 0 and "warning" not in quiet.stderr

@@ -242,6 +242,10 @@ def test_a_prompt_longer_than_the_budget_is_cut_by_the_policy(small_engines, pol
     result = engine.generate(prompt, max_tokens=20, temperature=0, ignore_eos=True)
     assert result.metrics.prompt_tokens <= 512 - 20
     assert result.metrics.output_tokens == 20
+    # The cut is reported, not passed off as "0 evicted".
+    m = result.metrics
+    assert m.prompt_tokens + m.prompt_cut == len(engine.tokenize(prompt)) and m.prompt_cut > 900
+    assert f"{m.prompt_cut} more cut to fit the KV budget" in m.format() and m.to_dict()["prompt_cut"] == m.prompt_cut
 
 
 def test_a_prompt_longer_than_the_budget_under_error_raises(small_engines):
