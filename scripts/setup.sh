@@ -20,9 +20,11 @@ if [ "${1:-}" = "--contrast" ]; then
         # venv bundles an old setuptools on some Pythons; the main install's one (>= 77) builds edgeinfer.
         .venv-contrast/bin/python -m pip uninstall -y -q setuptools 2>/dev/null || true
         echo "building the contrast llama-cpp-python $LLAMA_CPP_VERSION with CMAKE_ARGS=$CONTRAST_ARGS"
-        # --no-deps: its dependencies come from the main install, which the venv sees.
+        # --no-deps: its dependencies come from the main install, which the venv sees; --ignore-installed:
+        # the main install's llama-cpp-python, which the venv sees too, would otherwise satisfy pip.
         CMAKE_ARGS="$CONTRAST_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-            .venv-contrast/bin/python -m pip install --no-cache-dir --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION"
+            .venv-contrast/bin/python -m pip install --no-cache-dir --no-deps --ignore-installed \
+            "llama-cpp-python==$LLAMA_CPP_VERSION"
         echo "$LLAMA_CPP_VERSION $CONTRAST_ARGS" > .venv-contrast/cmake-args
     fi
     exit 0
