@@ -18,6 +18,7 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "backends").is_dir(
     __path__.append(str(_checkout))
 
 _EXPORTS = {
+    "Continuation": "edgeinfer.chat",
     "Message": "edgeinfer.chat",
     "Cancellation": "edgeinfer.cloud",
     "CircuitBreaker": "edgeinfer.cloud",
@@ -58,6 +59,7 @@ __all__ = [
     "CloudError",
     "CloudModel",
     "ContextFull",
+    "Continuation",
     "DownloadError",
     "EdgeInferError",
     "Engine",
@@ -90,7 +92,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from edgeinfer.chat import Message
+    from edgeinfer.chat import Continuation, Message
     from edgeinfer.cloud import Cancellation, CircuitBreaker, CloudModel, Usage
     from edgeinfer.engine import AsyncStream, Engine, Result, Stream
     from edgeinfer.errors import (

@@ -9,7 +9,9 @@ SecurityError before anything runs, and the template cannot mutate its inputs.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from typing import Any, TypedDict
@@ -26,6 +28,18 @@ class Message(TypedDict):
 
     role: str
     content: str
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A chat whose last turn, the assistant's ``answer`` so far, is to be continued rather than answered.
+
+    The answer's turn is left open; like every message's content, the answer is text, whatever
+    control tokens it spells.
+    """
+
+    messages: Sequence[Message]
+    answer: str
 
 
 # Used when a model ships no template; ChatML is what most small instruct models expect.
@@ -58,6 +72,10 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         if operator == "**" and isinstance(right, int) and right > 1000:
             raise TemplateError(f"the chat template raises a number to the power {right}; refused")
         return super().call_binop(context, operator, left, right)
+
+
+# Stands for message i's content while a template renders, to find where the content goes.
+_PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
 
 
 def _raise_exception(message: str) -> None:
@@ -138,28 +156,32 @@ class ChatTemplate:
         except Exception as exc:  # template code can raise anything: TypeError, ZeroDivisionError, ...
             raise TemplateError(f"the chat template failed to render: {type(exc).__name__}: {_one_line(exc)}") from None
 
+    def content_spans(
+        self, messages: Sequence[Mapping[str, Any]], rendered: str, *, add_generation_prompt: bool = True
+    ) -> list[tuple[int, int]] | None:
+        """Exactly where the messages' contents stand in ``rendered``, this template's rendering of them.
 
-def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[int, int]], list[int]]:
-    """Where each message's content stands in the rendered ``text``, searched in order; and the messages not found.
-
-    Templates copy content verbatim, or trimmed (Gemma's). Content a template rewrites
-    some other way is not found; its index is returned instead.
-    """
-    spans: list[tuple[int, int]] = []
-    missing: list[int] = []
-    done = 0
-    for i, message in enumerate(messages):
-        content = message["content"]
-        for wanted in (content, content.strip()):
-            start = text.find(wanted, done) if wanted else -1
-            if start >= 0:
-                spans.append((start, start + len(wanted)))
-                done = start + len(wanted)
-                break
-        else:
-            if content.strip():
-                missing.append(i)
-    return spans, missing
+        Found by rendering a placeholder in each content's place and putting the contents back,
+        as they are or trimmed (Gemma's templates trim). None if that does not give ``rendered``
+        back: the template rewrites content some other way, or looks inside it.
+        """
+        marks = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
+        skeleton = self.render(marks, add_generation_prompt=add_generation_prompt)
+        for fill in (str, str.strip):
+            pieces: list[str] = []
+            spans: list[tuple[int, int]] = []
+            size = done = 0
+            for mark in _PLACEHOLDER.finditer(skeleton):
+                content = fill(messages[int(mark[1])]["content"])
+                pieces += [skeleton[done : mark.start()], content]
+                size += mark.start() - done
+                spans.append((size, size + len(content)))
+                size += len(content)
+                done = mark.end()
+            pieces.append(skeleton[done:])
+            if "".join(pieces) == rendered:
+                return spans
+        return None
 
 
 def _one_line(exc: BaseException) -> str:

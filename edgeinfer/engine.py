@@ -23,7 +23,7 @@ import numpy as np
 
 from edgeinfer.backends import backend_class
 from edgeinfer.backends.base import DEFAULT_BATCH_SIZE, Backend, BackendOptions
-from edgeinfer.chat import MAX_CONTENT_CHARS, ChatTemplate, Message, content_spans
+from edgeinfer.chat import MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.metrics import Metrics
@@ -35,7 +35,7 @@ from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "cancelled"]
-Prompt = str | Sequence[Message]
+Prompt = str | Sequence[Message] | Continuation
 
 
 @dataclass
@@ -118,10 +118,11 @@ class AsyncStream(AsyncIterator[str]):
 
     Cancelling the consuming task, ``aclose()``, leaving ``async with``, or dropping
     the stream cancels the generation. So does leaving it unfinished (``break`` out of
-    ``async for``): the generation is cancelled when the task that read it ends, or when
-    that task starts reading another stream of the same engine. A stream left unfinished
-    while its task goes on with other work holds the engine until ``max_tokens``, as a
-    slow reader would; other calls wait their turn.
+    ``async for``): the generation is cancelled when the task that created the stream
+    ends, or when that task starts reading another stream of the same engine. Read it from
+    other tasks as you like (``wait_for(anext(stream), ...)`` included), but while its
+    creator lives. A stream left unfinished while its task goes on with other work holds
+    the engine until ``max_tokens``, as a slow reader would; other calls wait their turn.
     """
 
     def __init__(self, stream: Stream, on_start: Callable[[AsyncStream], None] | None = None) -> None:
@@ -129,7 +130,8 @@ class AsyncStream(AsyncIterator[str]):
         self._on_start = on_start
         self._queue: asyncio.Queue[object] | None = None
         self._worker: asyncio.Future[None] | None = None
-        self.reader: asyncio.Task[Any] | None = None
+        self.owner = _current_task()  # the task that asked for it
+        self._owner_ended: Callable[[asyncio.Task[Any]], None] | None = None
         self.finished = False
 
     @property
@@ -140,12 +142,12 @@ class AsyncStream(AsyncIterator[str]):
         if self._queue is None:
             loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
-            self.reader = asyncio.current_task()
             if self._on_start is not None:
                 self._on_start(self)
-            if self.reader is not None:
+            if self.owner is not None:
                 alive = weakref.ref(self)  # a strong one would keep a dropped stream, which cancels, alive
-                self.reader.add_done_callback(lambda _: (stream := alive()) is not None and stream.cancel())
+                self._owner_ended = lambda _: (stream := alive()) is not None and stream.cancel()
+                self.owner.add_done_callback(self._owner_ended)
             self._worker = loop.run_in_executor(None, _pump, self._stream, loop, self._queue)
         try:
             item = await self._queue.get()
@@ -153,12 +155,18 @@ class AsyncStream(AsyncIterator[str]):
             self.cancel()
             raise
         if item is _END or isinstance(item, BaseException):
-            self.finished = True
+            self._finish()
             await self._worker  # type: ignore[misc]  # it has just put its last item
             if isinstance(item, BaseException):
                 raise item
             raise StopAsyncIteration
         return item  # type: ignore[return-value]
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self.owner is not None and self._owner_ended is not None:  # a long-lived task must not collect them
+            self.owner.remove_done_callback(self._owner_ended)
+            self._owner_ended = None
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -180,6 +188,13 @@ class AsyncStream(AsyncIterator[str]):
 
 
 _END = object()
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return None
 
 
 def _pump(stream: Stream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
@@ -286,7 +301,8 @@ class Engine:
         self._last_prompt: tuple[list[int], np.ndarray] | None = None
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._async_streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()  # being read, for _started_async
+        self._async_streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()  # started, for _started_async
+        self._async_lock = threading.Lock()
         self._closed = False
         if self.kv_policy.name != "error" and not self.backend.can_shift:
             self.close()
@@ -306,12 +322,15 @@ class Engine:
         return _drain(self.stream(messages, params, **options))
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> Stream:
-        """Stream text chunks. A string is completed raw; a list of messages is chatted.
+        """Stream text chunks. A string is completed raw; a list of messages is chatted; a
+        ``Continuation`` goes on with an assistant answer already begun.
 
         Sampling options (``max_tokens``, ``temperature``, ``seed``, ``stop``, ...) are the
         fields of ``SamplingParams`` and override ``params``.
         """
-        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
+        if not isinstance(prompt, (str, Continuation)) and not (
+            isinstance(prompt, Sequence) and not isinstance(prompt, bytes)
+        ):
             raise InvalidOptionError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidOptionError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -341,11 +360,12 @@ class Engine:
         return AsyncStream(self.stream(prompt, params, **options), on_start=self._started_async)
 
     def _started_async(self, stream: AsyncStream) -> None:
-        """A task that starts reading a new stream has left its earlier unfinished one: cancel that one."""
-        for earlier in list(self._async_streams):
-            if stream.reader is not None and earlier.reader is stream.reader and not earlier.finished:
-                earlier.cancel()
-        self._async_streams.add(stream)
+        """A task whose new stream starts has left its earlier unfinished one: cancel that one."""
+        with self._async_lock:  # event loops in several threads may share the engine
+            for earlier in list(self._async_streams):
+                if stream.owner is not None and earlier.owner is stream.owner and not earlier.finished:
+                    earlier.cancel()
+            self._async_streams.add(stream)
 
     def render(self, messages: Sequence[Message]) -> str:
         """The prompt text the chat template makes of ``messages``."""
@@ -359,19 +379,40 @@ class Engine:
                     f"the prompt is {len(prompt):,} characters, over the limit of {MAX_CONTENT_CHARS:,}; shorten it"
                 )
             return self.tokenizer.encode(prompt)
-        text = self.render(prompt)
-        bos = self.tokenizer.token_text(self.tokenizer.bos_id)
-        # Message content is text, even where it spells a control token: only the template's own
-        # markup may open or close a turn, so no message can forge a system turn.
-        literal, missing = content_spans(text, prompt)
-        for i in missing:
-            if self.tokenizer.has_markers(prompt[i]["content"]):
+        if isinstance(prompt, Continuation):
+            messages: list[Message] = [*prompt.messages, {"role": "assistant", "content": prompt.answer}]
+            text = self.template.render(messages, add_generation_prompt=False)
+            spans = self.template.content_spans(messages, text, add_generation_prompt=False)
+            if spans is None:
                 raise InvalidOptionError(
-                    f"message {i} contains control-token text such as '<|im_end|>', and this model's chat template "
-                    "rewrites message text, so it cannot be kept as plain text; remove it"
+                    "this model's chat template rewrites message text, so an answer cannot be continued"
                 )
+            text = text[: max(end for _, end in spans)]  # the answer's turn stays open
+            literal = spans if self._has_markers(messages) else None
+        else:
+            messages, text = list(prompt), self.render(prompt)
+            literal = self._literal_spans(messages, text) if self._has_markers(messages) else None
+        bos = self.tokenizer.token_text(self.tokenizer.bos_id)
         # A template that writes BOS itself must not get a second one.
-        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)), literal=literal)
+        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)), literal=literal or ())
+
+    def _has_markers(self, messages: Sequence[Message]) -> bool:
+        """Whether message content spells a control token, in one message or across neighbours."""
+        contents = [m["content"] for m in messages]
+        return any(map(self.tokenizer.has_markers, [*contents, "".join(contents)]))
+
+    def _literal_spans(self, messages: Sequence[Message], text: str) -> list[tuple[int, int]]:
+        """Where message content stands in ``text``, to be tokenized as text whatever control tokens it spells.
+
+        Only the template's own markup may open or close a turn, so no message can forge a system turn.
+        """
+        spans = self.template.content_spans(messages, text)
+        if spans is None:
+            raise InvalidOptionError(
+                "a message contains control-token text such as '<|im_end|>', and this model's chat template "
+                "rewrites message text, so it cannot be kept as plain text; remove it"
+            )
+        return spans
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """The ``(len(tokens), n_vocab)`` logits of every position, from an empty cache (for scoring).

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Literal
 
-from edgeinfer.chat import Message
+from edgeinfer.chat import Continuation, Message
 from edgeinfer.cloud import Cancellation, CloudModel, CloudStream, Usage, sampling_params
 from edgeinfer.engine import AsyncStream, Engine, FinishReason, Result, Stream, _drain
 from edgeinfer.errors import (
@@ -529,7 +529,7 @@ class _Routing:
         self.degraded = True
         self.cloud_allowed = False
         self.reason = f"{self.reason}; the cloud failed mid-answer ({err.kind}: {err}), so the local model finished it"
-        prompt = _strip_bos(self.local, self.local.render(self.messages)) + "".join(self.shown)
+        prompt = Continuation(self.messages, "".join(self.shown))
         left = max(1, self.params.max_tokens - self.cloud_usage.completion_tokens)
         stream = self.local.stream(prompt, dataclasses.replace(self.params, max_tokens=left))
         self.call.local = stream
@@ -717,9 +717,3 @@ def _routed(stream: Stream) -> RoutedResult:
 def _describe(exc: BaseException) -> str:
     message = " ".join(str(exc).split()) or "no message"
     return f"{type(exc).__name__}: {message}"
-
-
-def _strip_bos(engine: Engine, text: str) -> str:
-    """Raw prompts get BOS from the tokenizer, so a template's own BOS text would double it."""
-    bos = engine.tokenizer.token_text(engine.tokenizer.bos_id) if engine.tokenizer.add_bos else ""
-    return text[len(bos) :] if bos and text.startswith(bos) else text

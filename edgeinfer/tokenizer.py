@@ -43,6 +43,7 @@ class Tokenizer:
         self.bos_id: int = self._lib.llama_vocab_bos(self._vocab)
         self.eos_id: int = self._lib.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(self._lib.llama_vocab_get_add_bos(self._vocab))
+        self._add_eos = bool(self._lib.llama_vocab_get_add_eos(self._vocab))
         self._pieces: dict[int, bytes] = {}
 
     def encode(
@@ -66,10 +67,11 @@ class Tokenizer:
         with self._open():
             if not parse_special or not literal:
                 return self._tokenize(text, add_special, parse_special)
-            tokens: list[int] = []
-            for i, (piece, special) in enumerate(self._split_forged(text, literal)):
-                tokens += self._tokenize(piece, add_special and i == 0, special)
-            return tokens
+            # Pieces tokenized one by one: BOS and EOS go at the ends of the whole, not of the first piece.
+            tokens = [self.bos_id] if add_special and self.add_bos else []
+            for piece, special in self._split_forged(text, literal):
+                tokens += self._tokenize(piece, False, special)
+            return tokens + ([self.eos_id] if add_special and self._add_eos else [])
 
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
@@ -83,19 +85,19 @@ class Tokenizer:
         return list(buf[:n])
 
     def _split_forged(self, text: str, literal: Sequence[tuple[int, int]]) -> Iterator[tuple[str, bool]]:
-        """``text`` in pieces, each with whether to parse markers in it; a marker inside a literal span is one piece.
+        """``text`` in pieces, each with whether to parse markers in it; a marker that reaches into a
+        literal span (also one spelled across two, or finished by the text beside one) is its own piece.
 
         A piece boundary can change how the text beside it tokenizes, so only forged markers get one.
         """
         done = 0
-        for start, end in sorted(literal):
-            if not self._has_markers(text[start:end]):
-                continue  # the usual case, and cheap to tell
-            for found in self._markers.finditer(text, start, end):
-                if found.start() > done:
-                    yield text[done : found.start()], True
-                yield found.group(), False
-                done = found.end()
+        for found in self._markers.finditer(text):
+            if not any(start < found.end() and found.start() < end for start, end in literal):
+                continue  # the template's own markup
+            if found.start() > done:
+                yield text[done : found.start()], True
+            yield found.group(), False
+            done = found.end()
         yield text[done:], True
 
     def has_markers(self, text: str) -> bool:

@@ -441,6 +441,18 @@ async def test_an_abandoned_async_stream_does_not_hold_the_engine(engine):
     assert stream.result.finish_reason == "cancelled" and len(stream.result.tokens) < 100
 
 
+async def test_an_async_stream_read_through_wait_for_is_not_cancelled(engine):
+    # wait_for runs each read in a task of its own (Python 3.11): those tasks end, the stream goes on.
+    stream = engine.astream("Count: one, two, three,", max_tokens=12, ignore_eos=True, temperature=0)
+    pieces = []
+    while True:
+        try:
+            pieces.append(await asyncio.wait_for(anext(stream), timeout=30))
+        except StopAsyncIteration:
+            break
+    assert stream.result.finish_reason == "length" and "".join(pieces) == stream.result.text
+
+
 ABANDON = """
 import asyncio, sys
 from edgeinfer import Engine
