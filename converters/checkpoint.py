@@ -20,7 +20,15 @@ import numpy as np
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, get_tensor_name_map
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.models.arch import ARCHITECTURES, Architecture, HParams, expected_tensors, tensor_name
+from edgeinfer.models.arch import (
+    ARCHITECTURES,
+    RMS_EPS_RANGE,
+    ROPE_BASE_RANGE,
+    Architecture,
+    HParams,
+    expected_tensors,
+    tensor_name,
+)
 from edgeinfer.models.gguf_file import GGUF_MAGIC
 
 SUPPORTED_CLASSES = {cls: arch for arch in ARCHITECTURES.values() for cls in arch.hf_classes}
@@ -29,9 +37,6 @@ DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "
 # Buffers some checkpoints save that are not weights (recomputed from config.json).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 MAX_HEADER = 100 << 20
-# What models/arch.py accepts when a GGUF is loaded: a file outside these would convert and then load nowhere.
-ROPE_THETA_RANGE = (1.0, float(1 << 40))
-RMS_EPS_RANGE = (1e-12, 1.0)
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,8 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
         head_dim=head_dim,
         n_ff=number("intermediate_size"),
         n_ctx_train=number("max_position_embeddings", 4096),
-        rope_base=real("rope_theta", rope.get("rope_theta", 10000.0), *ROPE_THETA_RANGE),
+        # The ranges the loader accepts: a file outside them would convert and then load nowhere.
+        rope_base=real("rope_theta", rope.get("rope_theta", 10000.0), *ROPE_BASE_RANGE),
         rms_eps=real("rms_norm_eps", 1e-6, *RMS_EPS_RANGE),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
     )

@@ -472,24 +472,24 @@ class _Allowance:
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self.pieces_left = PIECES_PER_TOKEN * max_tokens + PIECE_SLACK
-        self.chars_left = CHARS_PER_TOKEN * max_tokens
+        self.max_pieces = PIECES_PER_TOKEN * max_tokens + PIECE_SLACK
+        self.max_chars = CHARS_PER_TOKEN * max_tokens
+        self.pieces = self.chars = 0
 
     def take(self, text: str) -> str:
         if not text:
             return text
-        self.pieces_left -= 1
-        self.chars_left -= len(text)
-        if self.pieces_left < 0:
-            limit = PIECES_PER_TOKEN * self.max_tokens + PIECE_SLACK
+        self.pieces += 1
+        self.chars += len(text)
+        if self.pieces > self.max_pieces:
             raise CloudError(
-                f"the cloud sent more than {limit} pieces of text for max_tokens={self.max_tokens}: "
+                f"the cloud sent more than {self.max_pieces} pieces of text for max_tokens={self.max_tokens}: "
                 "its stream does not end",
                 "protocol",
             )
-        if self.chars_left < 0:
+        if self.chars > self.max_chars:
             raise CloudError(
-                f"the cloud sent more than {CHARS_PER_TOKEN * self.max_tokens} characters for "
+                f"the cloud sent more than {self.max_chars} characters for "
                 f"max_tokens={self.max_tokens}, more than that many tokens hold",
                 "protocol",
             )

@@ -397,9 +397,11 @@ class Engine:
         return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)), literal=literal or ())
 
     def _has_markers(self, messages: Sequence[Message]) -> bool:
-        """Whether message content spells a control token, in one message or across neighbours."""
-        contents = [m["content"] for m in messages]
-        return any(map(self.tokenizer.has_markers, [*contents, "".join(contents)]))
+        """Whether message content spells a control token, in one message or across neighbours.
+
+        One check of the contents joined covers both: a marker inside one content is inside the join.
+        """
+        return self.tokenizer.has_markers("".join(m["content"] for m in messages))
 
     def _literal_spans(self, messages: Sequence[Message], text: str) -> list[tuple[int, int]]:
         """Where message content stands in ``text``, to be tokenized as text whatever control tokens it spells.

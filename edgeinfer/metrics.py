@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -36,6 +37,8 @@ class Metrics:
     kv_evicted: int = 0  # tokens dropped by the KV policy during this call
     # When each output token was sampled, in seconds from the start of the call.
     token_times_s: list[float] = field(default_factory=list, repr=False)
+    # Rows of ``format`` that say nothing for this kind of call (a cloud answer ran nothing locally).
+    rows_left_out: ClassVar[tuple[str, ...]] = ()
 
     @property
     def tpot_s(self) -> float:
@@ -115,7 +118,7 @@ class Metrics:
             ("KV cache", f"{self.kv_used}/{self.kv_capacity} tokens, {self.kv_evicted} evicted"),
             ("total", f"{self.total_s * ms:.1f} ms"),
         ]
-        return "\n".join(f"{name:>9}: {value}" for name, value in rows)
+        return "\n".join(f"{name:>9}: {value}" for name, value in rows if name not in self.rows_left_out)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from edgeinfer.chat import Continuation, Message
 from edgeinfer.cloud import Cancellation, CloudModel, CloudStream, Usage, sampling_params
@@ -162,12 +162,7 @@ class CloudMetrics(Metrics):
     piece of its stream arrived (``token_times_s``; a piece is about a token), which the decode row's
     percentiles read. Nothing ran locally: ``format`` leaves out prefill, stage times and the KV cache."""
 
-    def format(self) -> str:
-        rows = super().format().splitlines()
-        return "\n".join(row for row in rows if row.split(":")[0].strip() not in _LOCAL_ONLY_ROWS)
-
-
-_LOCAL_ONLY_ROWS = ("prefill", "stages", "KV cache")
+    rows_left_out: ClassVar[tuple[str, ...]] = ("prefill", "stages", "KV cache")
 
 
 @dataclass

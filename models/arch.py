@@ -62,6 +62,9 @@ MAX_DIM = 1 << 20
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 MAX_CONTEXT = 1 << 24
 MIN_CONTEXT = 64  # below any real model's, and too short to hold a chat turn
+# A RoPE base below 1 makes RoPE's frequencies grow past float range: NaN logits.
+ROPE_BASE_RANGE = (1.0, float(1 << 40))
+RMS_EPS_RANGE = (1e-12, 1.0)
 # The RoPE scaling names llama.cpp knows; it aborts on any other.
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 
@@ -173,9 +176,8 @@ def hparams_from_metadata(meta: Mapping[str, Any], tensor_names: set[str], file:
         head_dim=head_dim,
         n_ff=positive(Keys.LLM.FEED_FORWARD_LENGTH),
         n_ctx_train=positive(Keys.LLM.CONTEXT_LENGTH, limit=MAX_CONTEXT, low=MIN_CONTEXT),
-        # A base below 1 makes RoPE's frequencies grow past float range: NaN logits.
-        rope_base=positive(Keys.Rope.FREQ_BASE, 10000.0, limit=1 << 40, kind=float),
-        rms_eps=positive(Keys.Attention.LAYERNORM_RMS_EPS, limit=1, low=1e-12, kind=float),
+        rope_base=positive(Keys.Rope.FREQ_BASE, 10000.0, low=ROPE_BASE_RANGE[0], limit=ROPE_BASE_RANGE[1], kind=float),
+        rms_eps=positive(Keys.Attention.LAYERNORM_RMS_EPS, low=RMS_EPS_RANGE[0], limit=RMS_EPS_RANGE[1], kind=float),
         tied_embeddings=tensor_name(MODEL_TENSOR.OUTPUT) not in tensor_names,
         rope_scaling=meta.get(scaling_key, "none"),
     )
