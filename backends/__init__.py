@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import importlib
 
-from edgeinfer.errors import BackendUnavailableError
+from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError
 
 from .base import Backend, BackendOptions
-
-# What importing a backend raises when its package is missing or its native library will not load.
-LOAD_ERRORS = (ImportError, OSError, RuntimeError)
 
 # name -> "module:Class", in the order "auto" tries them.
 BACKENDS: dict[str, str] = {
@@ -34,7 +31,7 @@ def backend_class(name: str) -> type[Backend]:
     module_name, _, class_name = BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
-    except LOAD_ERRORS as exc:
+    except NATIVE_LOAD_ERRORS as exc:
         raise BackendUnavailableError(f"backend {name!r} cannot be loaded: {exc}") from None
     return getattr(module, class_name)
 
@@ -51,4 +48,4 @@ def backend_status() -> dict[str, str]:
     return status
 
 
-__all__ = ["BACKENDS", "LOAD_ERRORS", "Backend", "BackendOptions", "backend_class", "backend_status"]
+__all__ = ["BACKENDS", "Backend", "BackendOptions", "backend_class", "backend_status"]

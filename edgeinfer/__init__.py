@@ -7,27 +7,46 @@ command line can start (and be interrupted) before numpy or llama.cpp load.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 from pathlib import Path as _Path
 from typing import TYPE_CHECKING, Any
 
-# pyproject maps the sibling folders backends/, models/, ... under edgeinfer.
-# When Python imports straight from a source checkout (the repo root on sys.path)
-# that mapping is not in force, so point the package at the checkout too.
+# pyproject installs the sibling folders backends/, converters/, models/ and tui/ as
+# edgeinfer.backends and so on. Imported straight from a source checkout (the repo root on
+# sys.path), that mapping is not in force: this finder applies it, for those four names only,
+# so the checkout and the installed package import the same modules, once each.
+_SIBLINGS = ("backends", "converters", "models", "tui")
 _checkout = _Path(__file__).resolve().parent.parent
-if (_checkout / "pyproject.toml").is_file() and (_checkout / "backends").is_dir():
-    __path__.append(str(_checkout))
+
+
+class _CheckoutFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        package, _, sibling = name.partition(".")
+        if package != __name__ or sibling not in _SIBLINGS:
+            return None
+        folder = _checkout / sibling
+        return importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+
+
+if (_checkout / "pyproject.toml").is_file() and not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):
+    sys.meta_path.append(_CheckoutFinder())
 
 _EXPORTS = {
     "Continuation": "edgeinfer.chat",
     "Message": "edgeinfer.chat",
-    "Cancellation": "edgeinfer.cloud",
-    "CircuitBreaker": "edgeinfer.cloud",
-    "CloudModel": "edgeinfer.cloud",
-    "Usage": "edgeinfer.cloud",
-    "AsyncStream": "edgeinfer.engine",
+    "Cancellation": "edgeinfer.routing.cloud",
+    "CircuitBreaker": "edgeinfer.routing.cloud",
+    "CloudModel": "edgeinfer.routing.cloud",
+    "Usage": "edgeinfer.routing.cloud",
+    "AsyncStream": "edgeinfer.streams",
     "Engine": "edgeinfer.engine",
-    "Result": "edgeinfer.engine",
-    "Stream": "edgeinfer.engine",
+    "Result": "edgeinfer.streams",
+    "Stream": "edgeinfer.streams",
     "BackendError": "edgeinfer.errors",
     "BackendUnavailableError": "edgeinfer.errors",
     "CloudError": "edgeinfer.errors",
@@ -42,11 +61,11 @@ _EXPORTS = {
     "KVBudget": "edgeinfer.kv",
     "KVPolicy": "edgeinfer.kv",
     "Metrics": "edgeinfer.metrics",
-    "PrivacyRule": "edgeinfer.privacy",
-    "Budget": "edgeinfer.router",
-    "Policy": "edgeinfer.router",
-    "RoutedResult": "edgeinfer.router",
-    "Router": "edgeinfer.router",
+    "PrivacyRule": "edgeinfer.routing.privacy",
+    "Budget": "edgeinfer.routing.router",
+    "Policy": "edgeinfer.routing.router",
+    "RoutedResult": "edgeinfer.routing.router",
+    "Router": "edgeinfer.routing.router",
     "SamplingParams": "edgeinfer.sampling",
 }
 __all__ = [
@@ -93,8 +112,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from edgeinfer.chat import Continuation, Message
-    from edgeinfer.cloud import Cancellation, CircuitBreaker, CloudModel, Usage
-    from edgeinfer.engine import AsyncStream, Engine, Result, Stream
+    from edgeinfer.engine import Engine
     from edgeinfer.errors import (
         BackendError,
         BackendUnavailableError,
@@ -110,6 +128,8 @@ if TYPE_CHECKING:
     )
     from edgeinfer.kv import KVBudget, KVPolicy
     from edgeinfer.metrics import Metrics
-    from edgeinfer.privacy import PrivacyRule
-    from edgeinfer.router import Budget, Policy, RoutedResult, Router
+    from edgeinfer.routing.cloud import Cancellation, CircuitBreaker, CloudModel, Usage
+    from edgeinfer.routing.privacy import PrivacyRule
+    from edgeinfer.routing.router import Budget, Policy, RoutedResult, Router
     from edgeinfer.sampling import SamplingParams
+    from edgeinfer.streams import AsyncStream, Result, Stream

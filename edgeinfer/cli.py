@@ -204,7 +204,7 @@ def run(
     route = route or ("auto" if cloud_url else "local")
     cloud = _cloud_model(cloud_url, cloud_model) if route != "local" or cloud_url else None
     if cloud is not None:
-        from edgeinfer.router import Policy, Router
+        from edgeinfer.routing.router import Policy, Router
 
         threshold = {} if route_threshold is None else {"threshold": route_threshold}
         policy = Policy(route, samples=route_samples, **threshold)  # type: ignore[arg-type]  # checked before loading
@@ -284,7 +284,7 @@ def _read_stdin_prompt() -> str:
 
 
 def _cloud_model(url: str | None, model: str | None) -> Any:
-    from edgeinfer.cloud import CloudModel
+    from edgeinfer.routing.cloud import CloudModel
 
     if not url:
         _fail("routing to the cloud needs its URL: pass --cloud-url or set EDGEINFER_CLOUD_URL (or use --route local)")
@@ -340,16 +340,16 @@ def calibrate(
     above which that share of them lies. The accepted answers grade the local replies, to
     show how much quality the threshold would win back with a cloud that is always right.
     With --fit-weights, the weights of the signals are fitted to those grades first (a
-    logistic regression; see edgeinfer/calibration.py) and the threshold is for them.
+    logistic regression; see edgeinfer/routing/calibration.py) and the threshold is for them.
     """
     import numpy as np
 
-    from edgeinfer import calibration
-    from edgeinfer.calibration import auroc, is_correct, load_questions, recovery_curve, threshold_for_share
     from edgeinfer.chat import Message
     from edgeinfer.engine import Engine
-    from edgeinfer.router import Policy, assess
-    from edgeinfer.signals import SCORED, WEIGHTS, escalation_score
+    from edgeinfer.routing import calibration
+    from edgeinfer.routing.calibration import auroc, is_correct, load_questions, recovery_curve, threshold_for_share
+    from edgeinfer.routing.router import Policy, assess
+    from edgeinfer.routing.signals import SCORED, WEIGHTS, escalation_score
 
     if not 0.0 <= cloud_share <= 1.0:
         _fail(f"--cloud-share must be between 0 and 1, got {cloud_share}")
@@ -523,11 +523,11 @@ def info(model: str | None, as_json: bool) -> None:
 
 
 def _llama_cpp_build() -> str:
-    from edgeinfer.backends import LOAD_ERRORS
+    from edgeinfer.errors import NATIVE_LOAD_ERRORS
 
     try:
         from edgeinfer.backends.llamacpp import build_info
-    except LOAD_ERRORS as exc:
+    except NATIVE_LOAD_ERRORS as exc:
         return f"cannot be loaded ({exc})"
     return build_info()
 

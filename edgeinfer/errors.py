@@ -72,3 +72,8 @@ class CloudError(EdgeInferError):
 class ConversionError(EdgeInferError):
     """A Hugging Face checkpoint cannot be converted (missing file or shard, unsupported
     architecture or dtype, a tensor whose shape contradicts config.json)."""
+
+
+# What importing a native library's Python binding raises when the package is missing or its
+# shared library will not load (a backend, the tokenizer's llama.cpp).
+NATIVE_LOAD_ERRORS = (ImportError, OSError, RuntimeError)

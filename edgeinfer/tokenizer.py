@@ -18,8 +18,7 @@ from collections.abc import Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 
-from edgeinfer.backends import LOAD_ERRORS
-from edgeinfer.errors import BackendUnavailableError, EdgeInferError, InvalidOptionError
+from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError, EdgeInferError, InvalidOptionError
 
 
 class Tokenizer:
@@ -29,7 +28,7 @@ class Tokenizer:
         # Imported here so that `import edgeinfer` works, and says what is wrong, without llama.cpp.
         try:
             from edgeinfer.backends.llamacpp import llama_lib, load_model
-        except LOAD_ERRORS as exc:
+        except NATIVE_LOAD_ERRORS as exc:
             raise BackendUnavailableError(
                 f"llama-cpp-python, which edgeinfer tokenizes with, cannot be loaded ({exc}); "
                 "install it as README.md shows"

@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from edgeinfer import Engine, SamplingParams  # noqa: E402
-from edgeinfer.calibration import is_correct, load_questions  # noqa: E402
 from edgeinfer.models.catalog import DEFAULT_MODEL  # noqa: E402
+from edgeinfer.routing.calibration import is_correct, load_questions  # noqa: E402
 from edgeinfer.system import default_threads  # noqa: E402
 
 QUESTIONS = ROOT / "scripts" / "data" / "everyday_questions.jsonl"

@@ -11,7 +11,7 @@ local model answers in full and every signal is recorded; then, for each signal 
 - AUROC of the score for predicting a wrong local answer;
 - the gap recovered at 50% cloud calls (the target: >= 75%; random recovers 50%).
 
-The ``auto`` weights in edgeinfer/signals.py were fitted to the questions of
+The ``auto`` weights in edgeinfer/routing/signals.py were fitted to the questions of
 scripts/data/router_questions.jsonl (``calibration.fit_weights``, a non-negative logistic
 regression; the fit is printed at the end, to paste there), so the ``auto (shipped weights)``
 figures on them are in-sample and optimistic. Two out-of-sample estimates follow:
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from edgeinfer import CloudModel, Engine, Message, Policy, Router  # noqa: E402
-from edgeinfer.calibration import (  # noqa: E402
+from edgeinfer.routing.calibration import (  # noqa: E402
     apgr,
     auroc,
     fit_weights,
@@ -56,8 +56,8 @@ from edgeinfer.calibration import (  # noqa: E402
     share_to_recover,
     threshold_for_share,
 )
-from edgeinfer.router import generation_signals  # noqa: E402
-from edgeinfer.signals import SCORED, SIGNALS, WEIGHTS, escalation_score, task_signals  # noqa: E402
+from edgeinfer.routing.router import generation_signals  # noqa: E402
+from edgeinfer.routing.signals import SCORED, SIGNALS, WEIGHTS, escalation_score, task_signals  # noqa: E402
 
 from openai_server import OpenAIServer  # noqa: E402
 

@@ -15,14 +15,13 @@ import pytest
 from click.testing import CliRunner
 
 from edgeinfer import Budget, CloudError, CloudModel, ContextFull, Engine, Policy, PrivacyRule, Router
-from edgeinfer import router as router_module
-from edgeinfer.calibration import apgr, auroc, fit_weights, is_correct, share_to_recover, threshold_for_share
 from edgeinfer.cli import cli
 from edgeinfer.errors import InvalidOptionError
-from edgeinfer.privacy import PrivacyRules
-from edgeinfer.router import assess, prompt_signals
-from edgeinfer.sampling import SamplingParams
-from edgeinfer.signals import (
+from edgeinfer.routing import router as router_module
+from edgeinfer.routing.calibration import apgr, auroc, fit_weights, is_correct, share_to_recover, threshold_for_share
+from edgeinfer.routing.privacy import PrivacyRules
+from edgeinfer.routing.router import assess, prompt_signals
+from edgeinfer.routing.signals import (
     SCORED,
     WEIGHTS,
     disagreement_signal,
@@ -30,6 +29,7 @@ from edgeinfer.signals import (
     task_signals,
     uncertainty_signal,
 )
+from edgeinfer.sampling import SamplingParams
 
 from openai_server import OpenAIServer
 from support import JAPAN, SYSTEM

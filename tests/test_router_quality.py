@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from edgeinfer import CloudModel, Router
-from edgeinfer.calibration import auroc, is_correct, load_questions
-from edgeinfer.signals import escalation_score
+from edgeinfer.routing.calibration import auroc, is_correct, load_questions
+from edgeinfer.routing.signals import escalation_score
 
 from openai_server import OpenAIServer
 from support import SCRIPTS, load_script

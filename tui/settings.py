@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from edgeinfer import Engine, InvalidOptionError, KVBudget, KVPolicy, Result, SamplingParams
-from edgeinfer.cloud import CloudModel
 from edgeinfer.kv import DEFAULT_KV_BUDGET
 from edgeinfer.models.catalog import DEFAULT_MODEL
-from edgeinfer.router import Router
+from edgeinfer.routing.cloud import CloudModel
+from edgeinfer.routing.router import Router
 from edgeinfer.system import default_threads
 
 ROUTES = ("local", "auto", "cloud")

@@ -37,8 +37,7 @@ from time import perf_counter
 from typing import Any, ClassVar, Literal
 
 from edgeinfer.chat import Continuation, Message
-from edgeinfer.cloud import Cancellation, CloudModel, CloudStream, Usage, sampling_params
-from edgeinfer.engine import AsyncStream, Engine, FinishReason, Result, Stream, _drain
+from edgeinfer.engine import Engine
 from edgeinfer.errors import (
     BackendError,
     CloudError,
@@ -47,9 +46,9 @@ from edgeinfer.errors import (
     InvalidOptionError,
 )
 from edgeinfer.metrics import Metrics
-from edgeinfer.privacy import PrivacyRule, PrivacyRules
-from edgeinfer.sampling import SamplingParams
-from edgeinfer.signals import (
+from edgeinfer.routing.cloud import Cancellation, CloudModel, CloudStream, Usage, sampling_params
+from edgeinfer.routing.privacy import PrivacyRule, PrivacyRules
+from edgeinfer.routing.signals import (
     SIGNALS,
     WEIGHTS,
     disagreement_signal,
@@ -62,6 +61,8 @@ from edgeinfer.signals import (
     top_signals,
     uncertainty_signal,
 )
+from edgeinfer.sampling import SamplingParams
+from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, drain
 
 Mode = Literal["auto", "local", "cloud"]
 Prompt = Sequence[Message] | str  # a string is one user message
@@ -610,7 +611,7 @@ def assess(
     samples = sample_answers(engine, messages, policy)
     with engine.stream(messages, params) as stream:
         probe = "".join(take_probe(stream, policy.probe_tokens))
-        result = _drain(stream)
+        result = drain(stream)
     signals.update(probe_signals(messages, probe, samples, result.logprobs, result.entropies, policy.probe_tokens))
     return Assessment(result, signals, escalation_score(signals, policy.weights))
 
@@ -653,7 +654,7 @@ def sample_answers(engine: Engine, messages: list[Message], policy: Policy, call
         with engine.stream(messages, params) as stream:
             if call is not None:
                 call.run_locally(stream)
-            answers.append(_drain(stream).text)
+            answers.append(drain(stream).text)
     return answers
 
 
