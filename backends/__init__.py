@@ -6,26 +6,22 @@ from __future__ import annotations
 import importlib
 
 from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError
+from edgeinfer.models.info import ModelInfo
 
 from .base import Backend, BackendOptions
 
-# name -> "module:Class", in the order "auto" tries them.
+# name -> "module:Class", in the order "auto" tries them. A backend registered here runs
+# through tests/test_backend_conformance.py without further ado.
 BACKENDS: dict[str, str] = {
     "llamacpp": "edgeinfer.backends.llamacpp:LlamaCppBackend",
     "reference": "edgeinfer.backends.reference:ReferenceBackend",
 }
 
+AVAILABLE = "available"
+
 
 def backend_class(name: str) -> type[Backend]:
-    """The class registered as ``name`` (``"auto"``: the first one that imports)."""
-    if name == "auto":
-        reasons = []
-        for candidate in BACKENDS:
-            try:
-                return backend_class(candidate)
-            except BackendUnavailableError as exc:
-                reasons.append(f"{candidate}: {exc}")
-        raise BackendUnavailableError("no backend can run here (" + "; ".join(reasons) + ")")
+    """The class registered as ``name``; BackendUnavailableError if it is unknown or cannot load here."""
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
     module_name, _, class_name = BACKENDS[name].partition(":")
@@ -36,16 +32,35 @@ def backend_class(name: str) -> type[Backend]:
     return getattr(module, class_name)
 
 
-def backend_status() -> dict[str, str]:
-    """Each backend's name and either ``"available"`` or why not (for ``edgeinfer info``)."""
+def choose_backend(name: str, info: ModelInfo) -> type[Backend]:
+    """The backend to run ``info`` on: ``name``, or for ``"auto"`` the first that loads here and supports it.
+
+    Raises BackendUnavailableError naming each backend's reason when none can.
+    """
+    if name != "auto":
+        cls = backend_class(name)
+        reason = cls.supports(info)
+        if reason is not None:
+            raise BackendUnavailableError(f"the {name} backend cannot run this model: {reason}; use --backend auto")
+        return cls
+    reasons = []
+    for status_name, status in backend_status(info).items():
+        if status == AVAILABLE:
+            return backend_class(status_name)
+        reasons.append(f"{status_name}: {status}")
+    raise BackendUnavailableError(f"no backend can run {info.path.name} here (" + "; ".join(reasons) + ")")
+
+
+def backend_status(info: ModelInfo | None = None) -> dict[str, str]:
+    """Each backend's name and either ``"available"`` or why not: it cannot load here, or cannot run ``info``."""
     status = {}
     for name in BACKENDS:
         try:
-            backend_class(name)
-            status[name] = "available"
+            reason = backend_class(name).supports(info) if info is not None else None
         except BackendUnavailableError as exc:
-            status[name] = str(exc)
+            reason = str(exc)
+        status[name] = AVAILABLE if reason is None else reason
     return status
 
 
-__all__ = ["BACKENDS", "Backend", "BackendOptions", "backend_class", "backend_status"]
+__all__ = ["AVAILABLE", "BACKENDS", "Backend", "BackendOptions", "backend_class", "backend_status", "choose_backend"]

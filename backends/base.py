@@ -1,9 +1,13 @@
-"""The backend contract: a logit machine with a KV cache.
+"""The backend contract: a logit machine with a KV cache, addressed by sequence.
 
-A backend loads weights, evaluates tokens at given positions and returns logits,
-and keeps its KV cache. It does not sample, stop, template, route or time
-anything; the engine does all of that once for every backend. If a new backend
-needs a special case in the engine, change this contract instead.
+A backend loads weights, evaluates tokens of one or several sequences at given positions and
+returns logits, and keeps their KV cache. It does not sample, stop, template, route or time
+anything; the engine does all of that once for every backend. If a new backend needs a special
+case in the engine, change this contract instead.
+
+Sequences are numbered ``0 .. n_seq - 1``. The KV cache is one pool of ``capacity`` cells shared
+by all of them: a cell holds one position of one sequence, or of several once ``copy_prefix``
+has shared it. Positions are 0-based and contiguous from 0 within a sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from edgeinfer.models.info import ModelInfo
+from edgeinfer.system import MemoryNeed
 
 # Prompt tokens per evaluation step. The engine reuses a cached prefix in whole chunks of this
 # size, so small chunks keep more of a chat cached: on SmolLM2, 64 prefills at 0.94x the best
@@ -22,35 +27,88 @@ from edgeinfer.models.info import ModelInfo
 # (scripts/bench_prefill.py --threads 2 --runs 3).
 DEFAULT_BATCH_SIZE = 64
 
+CPU = "cpu"
+
 
 @dataclass(frozen=True)
 class BackendOptions:
     """How the engine asks a backend to set itself up."""
 
-    kv_tokens: int  # KV slots wanted; the backend may round up to its ``kv_block``
+    kv_tokens: int  # KV cells wanted in all, across sequences; the backend may round up to its ``kv_block``
     kv_type: str = "f16"  # one of the backend's ``kv_types``
     threads: int = 1
     batch_size: int = DEFAULT_BATCH_SIZE  # most tokens one evaluation step takes
+    n_seq: int = 1  # sequences the cache holds at once
+    device: str = CPU  # one of the backend's ``devices()``
+    gpu_layers: int = 0  # layers placed on ``device`` when it is not the CPU (-1: all)
+
+
+@dataclass(frozen=True)
+class Device:
+    """Somewhere a backend can run: the CPU, or an accelerator with memory of its own."""
+
+    name: str  # what ``BackendOptions.device`` names it
+    description: str
+    free_bytes: int | None = None  # the device's own memory; None for the CPU (host RAM is checked instead)
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens of sequence ``seq`` at positions ``start, start + 1, ...``.
+
+    ``start`` must equal the number of positions the sequence holds. With ``all_logits``
+    the backend returns every token's logits, else only the last one's.
+    """
+
+    seq: int
+    start: int
+    tokens: Sequence[int]
+    all_logits: bool = False
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend implements. Positions are 0-based and contiguous from 0."""
+    """What every backend implements; ``backends/__init__.py`` registers it by name."""
 
     name: ClassVar[str]
     kv_block: ClassVar[int]
-    """The backend allocates KV in multiples of this many tokens."""
+    """The backend allocates KV in multiples of this many cells."""
     kv_types: ClassVar[tuple[str, ...]]
     """KV cache element types it supports, e.g. ``("f16", "q8_0")``."""
 
-    @staticmethod
-    def weight_bytes(info: ModelInfo) -> int:
-        """RAM the weights will take once loaded (for the check before loading)."""
+    def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
+        """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot."""
+        ...
+
+    @classmethod
+    def supports(cls, info: ModelInfo) -> str | None:
+        """None if this backend can run the model, else a one-line reason why not (checked before loading)."""
+        ...
+
+    @classmethod
+    def devices(cls) -> list[Device]:
+        """Where it can run here, the CPU first."""
+        ...
+
+    @classmethod
+    def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
+        """Bytes one cell of its KV cache takes for this model: it lays the cache out."""
+        ...
+
+    @classmethod
+    def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
+        """Host and device bytes the loaded model will take (for the check before loading)."""
         ...
 
     @property
     def capacity(self) -> int:
-        """KV slots actually allocated (>= the requested ``kv_tokens``)."""
+        """KV cells actually allocated, in all (>= the requested ``kv_tokens``)."""
+        ...
+
+    @property
+    def n_seq(self) -> int:
+        """Sequences the cache can hold at once."""
         ...
 
     @property
@@ -63,27 +121,61 @@ class Backend(Protocol):
         """Length of a row of logits."""
         ...
 
-    def eval(self, tokens: Sequence[int], start: int, *, all_logits: bool = False) -> np.ndarray:
-        """Append ``tokens`` at positions ``start, start+1, ...`` to the cache and return logits.
+    def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
+        """Append each span's tokens to its sequence's cache, all in one forward pass; return their logits.
 
-        Returns the last token's logits as a float32 ``(n_vocab,)`` array, or
-        ``(len(tokens), n_vocab)`` with ``all_logits``. The array may be a view
-        of the backend's own buffer, valid until the next call; copy it to keep it.
-        ``start`` must equal the number of cached positions.
+        One float32 array per span: its last token's ``(n_vocab,)`` logits, or
+        ``(len(tokens), n_vocab)`` with ``all_logits``. An array may be a view of the
+        backend's own buffer, valid until the next call; copy it to keep it. Two spans
+        may not name the same sequence.
         """
         ...
 
-    def truncate(self, n: int) -> None:
-        """Forget positions ``>= n``."""
+    def truncate(self, seq: int, n: int) -> None:
+        """Forget sequence ``seq``'s positions ``>= n``."""
         ...
 
-    def evict(self, start: int, end: int) -> None:
-        """Drop positions ``[start, end)`` and shift later ones down by ``end - start``.
+    def evict(self, seq: int, start: int, end: int) -> None:
+        """Drop ``seq``'s positions ``[start, end)`` and shift later ones down by ``end - start``.
 
-        Re-rotating the shifted keys (RoPE) is the backend's job.
+        Re-rotating the shifted keys (RoPE) is the backend's job. The positions from
+        ``start`` on must not be shared with another sequence (the engine ensures it).
+        """
+        ...
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make sequence ``dst`` hold ``src``'s first ``n`` positions, without recomputing them.
+
+        ``dst`` is emptied first. The cells are shared, not copied: they cost nothing until
+        one of the two sequences is truncated past them.
         """
         ...
 
     def close(self) -> None:
-        """Free native memory now rather than at garbage collection."""
+        """Free native memory now rather than at garbage collection. A second call does nothing;
+        any other call after it raises ``BackendError``."""
         ...
+
+
+def check_options(backend: type[Backend], options: BackendOptions) -> None:
+    """Refuse options a backend cannot honour, in one line naming the choices."""
+    from edgeinfer.errors import InvalidOptionError
+
+    if options.kv_type not in backend.kv_types:
+        raise InvalidOptionError(
+            f"KV type {options.kv_type!r} is not supported by the {backend.name} backend; "
+            f"choose one of {', '.join(backend.kv_types)}"
+        )
+    names = [d.name for d in backend.devices()]
+    if options.device not in names:
+        raise InvalidOptionError(
+            f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}"
+        )
+    if options.device == CPU and options.gpu_layers:
+        raise InvalidOptionError("--gpu-layers needs a GPU device (--device); the CPU holds every layer already")
+
+
+def compute_bytes(info: ModelInfo, options: BackendOptions) -> int:
+    """One batch of activations and the logits buffer, in f32: what a forward pass allocates beside weights and KV."""
+    hp = info.hparams
+    return 4 * options.batch_size * (hp.n_vocab + 8 * hp.n_embd)

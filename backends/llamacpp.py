@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 import llama_cpp
 import numpy as np
 
-from edgeinfer.errors import BackendError
+from edgeinfer.errors import BackendError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo
-from edgeinfer.system import probe_native_build
+from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, llama_cpp_library, probe_native_build
 
-from .base import BackendOptions
+from .base import CPU, BackendOptions, Device, Span, compute_bytes
 
 log = logging.getLogger("edgeinfer.llamacpp")
 
@@ -82,11 +82,20 @@ def _holding_ctrl_c() -> Iterator[list[int]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def load_model(path: str, *, vocab_only: bool = False) -> int:
-    """Load a GGUF with llama.cpp; returns the model pointer."""
+def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, device: int | None = None) -> int:
+    """Load a GGUF with llama.cpp; returns the model pointer.
+
+    ``gpu_layers`` layers (-1: all) go to ggml device number ``device``; llama-cpp-python's
+    default would offload every layer on a GPU build, so the CPU is the default here.
+    """
     lib = llama_lib()
     params = lib.llama_model_default_params()
     params.vocab_only = vocab_only
+    params.n_gpu_layers = gpu_layers
+    if device is not None:
+        # A NULL-terminated list of the devices to use; it must outlive the load call.
+        devices = (ctypes.c_void_p * 2)(_devices().handle(device), None)
+        params.devices = ctypes.cast(devices, type(params.devices))
     _recent_log.clear()
     with _holding_ctrl_c() as interrupted:
         model = lib.llama_model_load_from_file(path.encode(), params)
@@ -99,16 +108,104 @@ def load_model(path: str, *, vocab_only: bool = False) -> int:
     return model
 
 
+class _Ggml:
+    """The few ggml device functions llama-cpp-python does not bind: which devices exist, and their memory."""
+
+    _GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+
+    def __init__(self) -> None:
+        path = llama_cpp_library("ggml")
+        if path is None:
+            raise BackendError("llama-cpp-python's libggml is missing; reinstall llama-cpp-python")
+        lib = ctypes.CDLL(str(path))
+        size_p = ctypes.POINTER(ctypes.c_size_t)
+        for name, restype, argtypes in (
+            ("ggml_backend_dev_count", ctypes.c_size_t, []),
+            ("ggml_backend_dev_get", ctypes.c_void_p, [ctypes.c_size_t]),
+            ("ggml_backend_dev_name", ctypes.c_char_p, [ctypes.c_void_p]),
+            ("ggml_backend_dev_description", ctypes.c_char_p, [ctypes.c_void_p]),
+            ("ggml_backend_dev_type", ctypes.c_int, [ctypes.c_void_p]),
+            ("ggml_backend_dev_memory", None, [ctypes.c_void_p, size_p, size_p]),
+        ):
+            function = getattr(lib, name)
+            function.restype, function.argtypes = restype, argtypes
+        self._lib = lib
+
+    def gpus(self) -> dict[str, tuple[int, Device]]:
+        """GPU devices by option name (``vulkan0``), with their ggml handle index."""
+        lib, found = self._lib, {}
+        for i in range(lib.ggml_backend_dev_count()):
+            dev = lib.ggml_backend_dev_get(i)
+            if lib.ggml_backend_dev_type(dev) not in self._GPU_TYPES:
+                continue
+            free, total = ctypes.c_size_t(), ctypes.c_size_t()
+            lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+            name = lib.ggml_backend_dev_name(dev).decode().lower()
+            description = lib.ggml_backend_dev_description(dev).decode(errors="replace")
+            found[name] = (i, Device(name, description, free.value, total.value))
+        return found
+
+    def handle(self, index: int) -> int:
+        return self._lib.ggml_backend_dev_get(index)
+
+
+_ggml: _Ggml | None = None
+
+
+def _devices() -> _Ggml:
+    global _ggml
+    llama_lib()  # registers ggml's backends
+    with _init_lock:
+        if _ggml is None:
+            _ggml = _Ggml()
+    return _ggml
+
+
 class LlamaCppBackend:
-    """llama.cpp on the CPU (or the GPU backend it was built with)."""
+    """llama.cpp on the CPU, or on a GPU its build supports (Vulkan, CUDA, Metal)."""
 
     name: ClassVar[str] = "llamacpp"
     kv_block: ClassVar[int] = 256  # llama.cpp pads n_ctx up to a multiple of 256
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0", "f32")
+    _KV_GGML_TYPES: ClassVar[dict[str, str]] = {
+        "f16": "GGML_TYPE_F16",
+        "q8_0": "GGML_TYPE_Q8_0",
+        "f32": "GGML_TYPE_F32",
+    }
+    _KV_TYPE_BYTES: ClassVar[dict[str, float]] = {"f16": 2.0, "q8_0": 34 / 32, "f32": 4.0}  # q8_0: 32 values in 34 B
 
-    @staticmethod
-    def weight_bytes(info: ModelInfo) -> int:
-        return info.file_size  # mapped from the file as it is
+    @classmethod
+    def supports(cls, info: ModelInfo) -> str | None:
+        return None  # every architecture edgeinfer's loader accepts is one llama.cpp runs
+
+    @classmethod
+    def devices(cls) -> list[Device]:
+        return [Device(CPU, "the CPU, through llama.cpp's CPU kernels")] + [
+            device for _, device in _devices().gpus().values()
+        ]
+
+    @classmethod
+    def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
+        return info.kv_values_per_token * cls._KV_TYPE_BYTES[kv_type]
+
+    @classmethod
+    def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
+        kv = int(-(-options.kv_tokens // cls.kv_block) * cls.kv_block * cls.kv_bytes_per_token(info, options.kv_type))
+        overhead = BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+        if options.device == CPU:
+            return MemoryNeed(weights=info.file_size, kv=kv, overhead=overhead)  # the file, mapped as it is
+        n_layer = info.hparams.n_layer
+        on_device = n_layer if options.gpu_layers < 0 else min(options.gpu_layers, n_layer)
+        share = on_device / n_layer  # each offloaded layer takes its weights and its KV along
+        _, device = _devices().gpus()[options.device]
+        return MemoryNeed(
+            weights=int(info.file_size * (1 - share)),
+            kv=int(kv * (1 - share)),
+            overhead=overhead,
+            device=options.device,
+            device_bytes=int((info.file_size + kv) * share),
+            device_free=device.free_bytes,
+        )
 
     def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
         """``probe=False`` skips the native-build check; only the probe's own child uses it."""
@@ -119,17 +216,15 @@ class LlamaCppBackend:
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
-        self._model = load_model(str(info.path))
+        self._model = self._load(info, options)
         try:
             params = lib.llama_context_default_params()
             params.n_ctx = options.kv_tokens
             params.n_batch = params.n_ubatch = options.batch_size
-            params.n_seq_max = 1
+            params.n_seq_max = options.n_seq
+            params.kv_unified = True  # one pool of cells for all sequences: the KV budget is one total
             params.n_threads = params.n_threads_batch = options.threads
-            ggml_type = {"f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0, "f32": lib.GGML_TYPE_F32}[
-                options.kv_type
-            ]
-            params.type_k = params.type_v = ggml_type
+            params.type_k = params.type_v = getattr(lib, self._KV_GGML_TYPES[options.kv_type])
             # A quantized V cache only works with flash attention.
             params.flash_attn_type = (
                 lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.kv_type == "q8_0" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -144,20 +239,35 @@ class LlamaCppBackend:
                 raise BackendError(f"llama.cpp could not create a context: {last_log_lines() or 'no reason given'}")
             self._memory = lib.llama_get_memory(self._ctx)
             self._capacity = lib.llama_n_ctx(self._ctx)
+            self._n_seq = options.n_seq
             self._can_shift = bool(lib.llama_memory_can_shift(self._memory))
             self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
             self._batch_size = options.batch_size
             self._batch = lib.llama_batch_init(options.batch_size, 0, 1)
             for i in range(options.batch_size):
                 self._batch.n_seq_id[i] = 1
-                self._batch.seq_id[i][0] = 0
+            self._lengths = [0] * options.n_seq  # positions each sequence holds, to refuse a gap early
         except BaseException:
             self.close()
             raise
 
+    def _load(self, info: ModelInfo, options: BackendOptions) -> Any:
+        if options.device == CPU:
+            return load_model(str(info.path), gpu_layers=0)
+        gpus = _devices().gpus()
+        if options.device not in gpus:
+            raise InvalidOptionError(
+                f"llama.cpp has no device {options.device!r} here; choose one of {', '.join([CPU, *gpus])}"
+            )
+        return load_model(str(info.path), gpu_layers=options.gpu_layers, device=gpus[options.device][0])
+
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def n_seq(self) -> int:
+        return self._n_seq
 
     @property
     def can_shift(self) -> bool:
@@ -167,44 +277,101 @@ class LlamaCppBackend:
     def n_vocab(self) -> int:
         return self._n_vocab
 
-    def eval(self, tokens: Sequence[int], start: int, *, all_logits: bool = False) -> np.ndarray:
+    def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
-        lib, batch, n = self._lib, self._batch, len(tokens)
-        if n == 0:
-            raise BackendError("eval needs at least one token")
-        rows = np.empty((n, self._n_vocab), dtype=np.float32) if all_logits else None
-        for first in range(0, n, self._batch_size):
-            chunk = tokens[first : first + self._batch_size]
-            batch.n_tokens = len(chunk)
-            for j, token in enumerate(chunk):
-                batch.token[j] = token
-                batch.pos[j] = start + first + j
-                batch.logits[j] = all_logits
-            batch.logits[len(chunk) - 1] = True
-            status = lib.llama_decode(self._ctx, batch)
-            if status != 0:
-                end = start + first + len(chunk) - 1
+        lengths = self._lengths
+        seqs = set()
+        for span in spans:
+            self._check_seq(span.seq)
+            if not span.tokens:
+                raise BackendError("eval needs at least one token per sequence")
+            if span.seq in seqs:
+                raise BackendError(f"sequence {span.seq} appears twice in one evaluation")
+            if span.start != lengths[span.seq]:
                 raise BackendError(
-                    f"llama_decode failed with status {status} at positions {start + first}..{end} "
-                    f"of a {self._capacity}-token cache: {last_log_lines() or 'no reason given'}"
+                    f"cannot evaluate sequence {span.seq} from position {span.start}: it holds {lengths[span.seq]}"
                 )
-            if rows is not None:
-                view = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(chunk), self._n_vocab))
-                rows[first : first + len(chunk)] = view
-        if rows is not None:
-            return rows
-        return np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,))
+            seqs.add(span.seq)
+        if len(spans) == 1 and len(spans[0].tokens) <= self._batch_size:  # the decode loop's path: no bookkeeping
+            span = spans[0]
+            self._decode(((span, j) for j in range(len(span.tokens))), len(span.tokens))
+            lengths[span.seq] += len(span.tokens)
+            if span.all_logits:
+                return [self._rows(0, len(span.tokens))]
+            return [self._row(len(span.tokens) - 1)]
+        return self._eval_chunked(spans)
 
-    def truncate(self, n: int) -> None:
+    def _eval_chunked(self, spans: Sequence[Span]) -> list[np.ndarray]:
+        """Several spans, or more tokens than a batch: one ``llama_decode`` per batch-sized chunk."""
+        results: list[np.ndarray | None] = [
+            np.empty((len(s.tokens), self._n_vocab), np.float32) if s.all_logits else None for s in spans
+        ]
+        items = [(k, j) for k, span in enumerate(spans) for j in range(len(span.tokens))]
+        single_chunk = len(items) <= self._batch_size
+        for first in range(0, len(items), self._batch_size):
+            chunk = items[first : first + self._batch_size]
+            self._decode(((spans[k], j) for k, j in chunk), len(chunk))
+            for i, (k, j) in enumerate(chunk):
+                last = j == len(spans[k].tokens) - 1
+                if spans[k].all_logits:
+                    results[k][j] = self._row(i)  # type: ignore[index]
+                elif last:
+                    # Rows of one llama_decode stay valid together; a later chunk overwrites them.
+                    results[k] = self._row(i) if single_chunk else self._row(i).copy()
+        for span in spans:
+            self._lengths[span.seq] += len(span.tokens)
+        return results  # type: ignore[return-value]
+
+    def _decode(self, items: Iterator[tuple[Span, int]], n: int) -> None:
+        lib, batch = self._lib, self._batch
+        batch.n_tokens = n
+        for i, (span, j) in enumerate(items):
+            batch.token[i] = span.tokens[j]
+            batch.pos[i] = span.start + j
+            batch.seq_id[i][0] = span.seq
+            batch.logits[i] = span.all_logits or j == len(span.tokens) - 1
+        status = lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            first, last = batch.pos[0], batch.pos[n - 1]
+            raise BackendError(
+                f"llama_decode failed with status {status} at positions {first}..{last} "
+                f"of a {self._capacity}-cell cache: {last_log_lines() or 'no reason given'}"
+            )
+
+    def _row(self, i: int) -> np.ndarray:
+        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, i), shape=(self._n_vocab,))
+
+    def _rows(self, first: int, n: int) -> np.ndarray:
+        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, first), shape=(n, self._n_vocab))
+
+    def truncate(self, seq: int, n: int) -> None:
         self._check_open()
-        if not self._lib.llama_memory_seq_rm(self._memory, 0, n, -1):
+        self._check_seq(seq)
+        if not self._lib.llama_memory_seq_rm(self._memory, seq, n, -1):
             raise BackendError(f"llama.cpp cannot remove positions from {n} on from this model's cache")
+        self._lengths[seq] = min(self._lengths[seq], n)
 
-    def evict(self, start: int, end: int) -> None:
+    def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
-        if not self._lib.llama_memory_seq_rm(self._memory, 0, start, end):
+        self._check_seq(seq)
+        if not self._lib.llama_memory_seq_rm(self._memory, seq, start, end):
             raise BackendError(f"llama.cpp cannot remove positions {start}..{end - 1} from this model's cache")
-        self._lib.llama_memory_seq_add(self._memory, 0, end, -1, start - end)
+        self._lib.llama_memory_seq_add(self._memory, seq, end, -1, start - end)
+        self._lengths[seq] -= min(end, self._lengths[seq]) - min(start, self._lengths[seq])
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self._check_open()
+        self._check_seq(src)
+        self._check_seq(dst)
+        if n > self._lengths[src]:
+            raise BackendError(f"sequence {src} holds {self._lengths[src]} positions, not {n}")
+        self._lib.llama_memory_seq_rm(self._memory, dst, 0, -1)
+        self._lib.llama_memory_seq_cp(self._memory, src, dst, 0, n)
+        self._lengths[dst] = n
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self._n_seq:
+            raise BackendError(f"sequence {seq} does not exist: this cache holds sequences 0..{self._n_seq - 1}")
 
     def _check_open(self) -> None:
         # A call on freed native memory would crash the process; the engine never makes one, a caller holding

@@ -2,7 +2,8 @@
 
 It is the ground truth, not a fast path: float32 weights (about 4x the file size of a Q4
 model in RAM) and numpy's BLAS threads. Keys and values are cached in float16, as llama.cpp's
-default cache stores them, or in float32.
+default cache stores them, or in float32, in one pool of cells that sequences share as
+llama.cpp's unified cache does.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import ClassVar
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from edgeinfer.errors import BackendError, InvalidOptionError
+from edgeinfer.errors import BackendError
 from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
-from edgeinfer.models.reference import LayerCache, Transformer, gguf_weights
+from edgeinfer.models.reference import Transformer, attention, gguf_weights
+from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from .base import BackendOptions
+from .base import CPU, BackendOptions, Device, Span, compute_bytes
 
 
 class ReferenceBackend:
@@ -27,27 +29,48 @@ class ReferenceBackend:
     name: ClassVar[str] = "reference"
     kv_block: ClassVar[int] = 1
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
+    _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
+
+    @classmethod
+    def supports(cls, info: ModelInfo) -> str | None:
+        if info.hparams.rope_scaling != "none" or any(
+            t.name == tensor_name(MODEL_TENSOR.ROPE_FREQS) for t in info.tensors
+        ):
+            return f"{info.path.name} scales RoPE for a longer context, which the reference backend does not do"
+        return None
+
+    @classmethod
+    def devices(cls) -> list[Device]:
+        return [Device(CPU, "the CPU, through numpy")]
+
+    @classmethod
+    def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
+        return info.kv_values_per_token * np.dtype(cls._KV_DTYPES[kv_type]).itemsize
+
+    @classmethod
+    def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
+        weights = 4 * sum(int(np.prod(t.shape, dtype=np.int64)) for t in info.tensors)  # all dequantized to f32
+        kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
+        return MemoryNeed(weights=weights, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options))
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
         hp = info.hparams
-        if hp.rope_scaling != "none" or any(t.name == tensor_name(MODEL_TENSOR.ROPE_FREQS) for t in info.tensors):
-            raise InvalidOptionError(
-                f"{info.path.name} scales RoPE for a longer context, which the reference backend does not do; "
-                "use --backend llamacpp"
-            )
         self.model = Transformer(hp, gguf_weights(info))
-        self._capacity = options.kv_tokens
-        shape = (options.kv_tokens, hp.n_head_kv, hp.head_dim)
-        dtype = np.float16 if options.kv_type == "f16" else np.float32
-        self.caches = [LayerCache(np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(hp.n_layer)]
-
-    @staticmethod
-    def weight_bytes(info: ModelInfo) -> int:
-        return 4 * sum(int(np.prod(t.shape, dtype=np.int64)) for t in info.tensors)
+        shape = (hp.n_layer, options.kv_tokens, hp.n_head_kv, hp.head_dim)
+        dtype = self._KV_DTYPES[options.kv_type]
+        self._k, self._v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        self._users = np.zeros(options.kv_tokens, np.int32)  # sequences holding each cell
+        self._cells: list[list[int]] = [[] for _ in range(options.n_seq)]  # each sequence's cells, by position
+        self._pending: list[tuple[int, slice, np.ndarray]] = []  # during eval: (seq, its rows, its new cells)
+        self._closed = False
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return len(self._users)
+
+    @property
+    def n_seq(self) -> int:
+        return len(self._cells)
 
     @property
     def can_shift(self) -> bool:
@@ -57,33 +80,105 @@ class ReferenceBackend:
     def n_vocab(self) -> int:
         return self.model.hp.n_vocab
 
-    @property
-    def length(self) -> int:
-        return self.caches[0].length
-
-    def eval(self, tokens: Sequence[int], start: int, *, all_logits: bool = False) -> np.ndarray:
-        if start != self.length or start + len(tokens) > self._capacity:
+    def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
+        self._check_open()
+        seqs = set()
+        for span in spans:
+            self._check_seq(span.seq)
+            if not span.tokens:
+                raise BackendError("eval needs at least one token per sequence")
+            if span.seq in seqs:
+                raise BackendError(f"sequence {span.seq} appears twice in one evaluation")
+            if span.start != len(self._cells[span.seq]):
+                raise BackendError(
+                    f"cannot evaluate sequence {span.seq} from position {span.start}: "
+                    f"it holds {len(self._cells[span.seq])}"
+                )
+            seqs.add(span.seq)
+        free = np.flatnonzero(self._users == 0)
+        wanted = sum(len(span.tokens) for span in spans)
+        if wanted > len(free):
             raise BackendError(
-                f"cannot evaluate {len(tokens)} tokens at position {start}: "
-                f"the cache holds {self.length} of {self._capacity}"
+                f"the KV cache is full: {wanted} new positions, {len(free)} of {self.capacity} cells free"
             )
-        logits = self.model.forward(tokens, np.arange(start, start + len(tokens)), self.caches)
-        return logits if all_logits else logits[-1]
+        tokens: list[int] = []
+        positions: list[int] = []
+        row_slices = []
+        for span in spans:
+            rows = slice(len(tokens), len(tokens) + len(span.tokens))
+            row_slices.append(rows)
+            cells, free = free[: len(span.tokens)], free[len(span.tokens) :]
+            self._users[cells] = 1
+            self._cells[span.seq].extend(cells.tolist())
+            self._pending.append((span.seq, rows, cells))
+            tokens.extend(span.tokens)
+            positions.extend(range(span.start, span.start + len(span.tokens)))
+        try:
+            logits = self.model.forward(tokens, np.asarray(positions), self)
+        finally:
+            self._pending = []
+        return [
+            logits[rows] if span.all_logits else logits[rows.stop - 1]
+            for span, rows in zip(spans, row_slices, strict=True)
+        ]
 
-    def truncate(self, n: int) -> None:
-        for cache in self.caches:
-            cache.length = min(cache.length, n)
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """The ``KVCache`` side: store the new keys in their cells; each sequence attends to its own cells."""
+        out = np.empty_like(q)
+        for seq, rows, cells in self._pending:
+            self._k[layer, cells] = k[rows]
+            self._v[layer, cells] = v[rows]
+            held = self._cells[seq]
+            keys = self._k[layer, held].astype(np.float32)
+            values = self._v[layer, held].astype(np.float32)
+            past = len(held) - (rows.stop - rows.start)
+            visible = np.arange(len(held))[None, :] <= past + np.arange(rows.stop - rows.start)[:, None]
+            out[rows] = attention(q[rows], keys, values, visible)
+        return out
 
-    def evict(self, start: int, end: int) -> None:
-        shift = end - start
-        for cache in self.caches:
-            n = cache.length
-            kept_k = cache.k[end:n].astype(np.float32)
-            # Rotating by -shift positions moves the keys' RoPE to their new places.
-            cache.k[start : n - shift] = self.model.rope(kept_k, np.full(n - end, -shift))
-            cache.v[start : n - shift] = cache.v[end:n]
-            cache.length = n - shift
+    def truncate(self, seq: int, n: int) -> None:
+        self._check_open()
+        self._check_seq(seq)
+        held = self._cells[seq]
+        self._users[held[n:]] -= 1
+        del held[n:]
+
+    def evict(self, seq: int, start: int, end: int) -> None:
+        self._check_open()
+        self._check_seq(seq)
+        held = self._cells[seq]
+        kept = held[end:]
+        if np.any(self._users[held[start:]] > 1):
+            raise BackendError(f"sequence {seq} shares positions from {start} on with another; it cannot evict them")
+        self._users[held[start:end]] -= 1
+        # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
+        back = np.full(len(kept), start - end)
+        for layer in range(self.model.hp.n_layer):
+            self._k[layer, kept] = self.model.rope(self._k[layer, kept].astype(np.float32), back)
+        del held[start:end]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self._check_open()
+        self._check_seq(src)
+        self._check_seq(dst)
+        if n > len(self._cells[src]):
+            raise BackendError(f"sequence {src} holds {len(self._cells[src])} positions, not {n}")
+        shared = self._cells[src][:n]
+        self.truncate(dst, 0)
+        self._users[shared] += 1
+        self._cells[dst] = list(shared)
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < len(self._cells):
+            raise BackendError(f"sequence {seq} does not exist: this cache holds sequences 0..{len(self._cells) - 1}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("this reference backend is closed (its engine was closed); create a new Engine")
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         del self.model  # the weights
-        self.caches = []
+        self._k = self._v = np.zeros(0)

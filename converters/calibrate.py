@@ -21,7 +21,7 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from edgeinfer.converters.checkpoint import Checkpoint
-from edgeinfer.evaluate import log_softmax
+from edgeinfer.logits import log_softmax
 from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.reference import Transformer, rms_norm
 

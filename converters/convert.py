@@ -11,8 +11,6 @@ that fits (``converters/plan.py``).
 
 from __future__ import annotations
 
-import resource
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ from edgeinfer.converters.vocab import read_vocab
 from edgeinfer.converters.writer import header_bytes, write_gguf, write_vocab_only
 from edgeinfer.errors import ConversionError
 from edgeinfer.evaluate import Report as EvalReport
+from edgeinfer.system import peak_rss
 
 QType = GGMLQuantizationType
 Sensitivity = Literal["activation", "kld"]
@@ -205,7 +204,7 @@ def convert(
         calib_tokens=calibration.n_tokens if calibration else 0,
         sensitivity=sensitivity if budget_given else None,
         seconds=perf_counter() - start,
-        peak_rss_bytes=_peak_rss(),
+        peak_rss_bytes=peak_rss(),
     )
     if held_out is not None:
         log("evaluating against the unquantized model")
@@ -310,8 +309,3 @@ def _read_text(path: str | Path, option: str) -> str:
         raise ConversionError(f"{option} {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConversionError(f"{option} {path} cannot be read as UTF-8 text ({exc})") from None
-
-
-def _peak_rss() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024

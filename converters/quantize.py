@@ -9,10 +9,8 @@ quants (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), without importance weighting.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -20,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.system import usable_cores
+from edgeinfer.system import llama_cpp_library, thread_count
 
 Q = GGMLQuantizationType
 Backend = Literal["auto", "ggml", "numpy"]
@@ -66,12 +64,7 @@ class _TypeTraits(ctypes.Structure):
 @cache
 def _ggml() -> ctypes.CDLL | None:
     """llama-cpp-python's libggml-base, or None where it is not installed or will not load."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    lib_dir = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    names = ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll", "libggml-base.dll")
-    path = next((lib_dir / name for name in names if (lib_dir / name).is_file()), None)
+    path = llama_cpp_library("ggml-base")
     if path is None:
         return None
     try:
@@ -133,7 +126,7 @@ def quantize(
     each column, length n_cols); ggml's quantizers then minimise the error weighted by it. The numpy
     backend has no weighted quantizers and ignores it.
     backend: "ggml" (llama-cpp-python's libggml-base), "numpy" (gguf-py), or "auto": ggml where
-    it loads. threads: ggml threads over the rows (default: the usable cores).
+    it loads. threads: ggml threads over the rows (default: ``system.thread_count``'s, every usable core).
     """
     if qtype not in SUPPORTED:
         names = ", ".join(t.name for t in sorted(SUPPORTED))
@@ -177,7 +170,7 @@ def quantize(
         raise ConversionError(f"{qtype.name} needs an importance matrix; calibrate with --calib TEXT_FILE")
 
     weights_ptr = None if weights is None else weights.ctypes.data
-    n_threads = 1 if weights is None and qtype in NUMPY_TYPES else (threads or usable_cores())
+    n_threads = 1 if weights is None and qtype in NUMPY_TYPES else thread_count(threads, spinning=False)
     n_threads = max(1, min(n_threads, rows.size // _MIN_VALUES_PER_THREAD, n_rows))
     bounds = np.linspace(0, n_rows, n_threads + 1).astype(int)
 

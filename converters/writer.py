@@ -6,7 +6,6 @@ end, so an interrupted conversion never leaves a partial GGUF where a model is e
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.output import scratch
 from edgeinfer.converters.vocab import Vocab
 from edgeinfer.errors import ConversionError
+from edgeinfer.files import replace_durably
 from edgeinfer.models.arch import HParams
 
 QType = GGMLQuantizationType
@@ -124,7 +124,9 @@ def write_gguf(
         size = tmp.stat().st_size
         if max_bytes is not None and size > max_bytes:  # the plan counts every byte; this guards it
             raise ConversionError(f"the GGUF came out at {size} bytes, over the target of {max_bytes}; nothing written")
-        os.replace(tmp, out)
+        # Not files.atomic_path's random name: output.scratch's names carry the PID, by which the next
+        # conversion to this output tells a killed run's leftover from a running one's (output.sweep).
+        replace_durably(tmp, out)
     return size
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -20,10 +20,15 @@ from edgeinfer.console import EXIT_INTERRUPTED
 from edgeinfer.errors import ContextFull, EdgeInferError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, POLICIES
 from edgeinfer.models.catalog import DEFAULT_MODEL
-from edgeinfer.models.info import KV_TYPE_BYTES
 from edgeinfer.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from edgeinfer.streams import Stream
+
 _SAMPLING = SamplingParams()
+# Every KV type some registered backend supports, written out so that the command starts without
+# importing llama.cpp; a backend refuses a type it lacks, naming its own.
+KV_TYPES = ("f16", "q8_0", "f32")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +73,23 @@ def _user_errors(fn: F) -> F:
 @click.version_option(package_name="edgeinfer")
 def cli() -> None:
     """Run small GGUF language models on this machine."""
+
+
+def _placement_options(fn: F) -> F:
+    """``--device`` and ``--gpu-layers``, for the commands that load a model to answer with."""
+    fn = click.option(
+        "--gpu-layers",
+        type=click.IntRange(min=-1),
+        default=0,
+        show_default=True,
+        help="Layers placed on --device when it is a GPU (-1: all).",
+    )(fn)
+    return click.option(
+        "--device",
+        default="cpu",
+        show_default=True,
+        help="Where the model runs: cpu, or a GPU its backend offers (an unknown name lists them).",
+    )(fn)
 
 
 def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
@@ -116,12 +138,13 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 )
 @click.option(
     "--kv-type",
-    type=click.Choice(tuple(KV_TYPE_BYTES)),
+    type=click.Choice(KV_TYPES),
     default="f16",
     show_default=True,
     help="KV cache element type.",
 )
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@_placement_options
 @click.option(
     "--route",
     type=click.Choice(("auto", "local", "cloud")),
@@ -164,6 +187,8 @@ def run(
     kv_policy: str,
     kv_type: str,
     threads: int | None,
+    device: str,
+    gpu_layers: int,
     route: str | None,
     cloud_url: str | None,
     cloud_model: str | None,
@@ -175,7 +200,7 @@ def run(
     force: bool,
 ) -> None:
     """Answer PROMPT (or standard input) with a local model, or a cloud model when it is beyond it."""
-    from edgeinfer.engine import Engine
+    from edgeinfer.assemble import Route, close_answerer, open_answerer
 
     if prompt is None:
         prompt = _read_stdin_prompt()
@@ -201,22 +226,28 @@ def run(
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": prompt}
     ]
-    route = route or ("auto" if cloud_url else "local")
-    cloud = _cloud_model(cloud_url, cloud_model) if route != "local" or cloud_url else None
-    if cloud is not None:
-        from edgeinfer.routing.router import Policy, Router
-
-        threshold = {} if route_threshold is None else {"threshold": route_threshold}
-        policy = Policy(route, samples=route_samples, **threshold)  # type: ignore[arg-type]  # checked before loading
-    engine = Engine(
-        model, backend=backend, kv_budget=kv_budget, kv_policy=kv_policy, kv_type=kv_type, threads=threads, force=force
+    engine, answerer = open_answerer(
+        Route(route or ("auto" if cloud_url else "local"), cloud_url, cloud_model, route_threshold, route_samples),
+        model=model,
+        backend=backend,
+        kv_budget=kv_budget,
+        kv_policy=kv_policy,
+        kv_type=kv_type,
+        threads=threads,
+        device=device,
+        gpu_layers=gpu_layers,
+        force=force,
     )
-    if cloud is not None:
-        router = Router(engine, cloud, policy=policy)
-        stream_of: Any = router.stream
-    else:
-        stream_of = engine.stream
-    with engine, stream_of(messages, params) as stream:
+    try:
+        stream = answerer.stream(messages, params)
+        _answer(stream, threads=engine.threads, as_json=as_json, no_stream=no_stream, stats=stats)
+    finally:
+        close_answerer(engine, answerer)
+
+
+def _answer(stream: Stream, *, threads: int, as_json: bool, no_stream: bool, stats: bool) -> None:
+    """Print ``stream``'s answer as ``run`` was asked to, and its stats (``threads``: the engine's) on stderr."""
+    with stream:
         try:
             if as_json or no_stream:
                 for _ in stream:
@@ -248,8 +279,8 @@ def run(
         else:
             click.echo()
         if stats:
-            threads = "" if result.backend == "cloud" else f" ({engine.threads} threads)"  # none ran for a cloud answer
-            click.echo(f"{'model':>9}: {result.model} on {result.backend}{threads}", err=True)
+            local = "" if result.backend == "cloud" else f" ({threads} threads)"  # none ran for a cloud answer
+            click.echo(f"{'model':>9}: {result.model} on {result.backend}{local}", err=True)
             click.echo(
                 f"{'route':>9}: {result.route}{' (degraded)' if getattr(result, 'degraded', False) else ''}", err=True
             )
@@ -281,16 +312,6 @@ def _read_stdin_prompt() -> str:
     if len(prompt) > MAX_CONTENT_CHARS:
         _fail(f"the prompt on standard input is over {MAX_CONTENT_CHARS:,} characters; pass a shorter one")
     return prompt
-
-
-def _cloud_model(url: str | None, model: str | None) -> Any:
-    from edgeinfer.routing.cloud import CloudModel
-
-    if not url:
-        _fail("routing to the cloud needs its URL: pass --cloud-url or set EDGEINFER_CLOUD_URL (or use --route local)")
-    if not model:
-        _fail("routing to the cloud needs a model name: pass --cloud-model or set EDGEINFER_CLOUD_MODEL")
-    return CloudModel(url, model)
 
 
 @cli.group()
@@ -422,6 +443,7 @@ def calibrate(
 @click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True, help="KV cache cap: '64MB' or '512tok'.")
 @click.option("--kv-policy", type=click.Choice(POLICIES), default="sinks", show_default=True)
 @click.option("--threads", type=int, help="CPU threads for the model (default: the free cores but one, for the UI).")
+@_placement_options
 @_user_errors
 def chat(
     model: str,
@@ -435,6 +457,8 @@ def chat(
     kv_budget: str,
     kv_policy: str,
     threads: int | None,
+    device: str,
+    gpu_layers: int,
 ) -> None:
     """Chat with a model in the terminal (/help inside lists the commands)."""
     from edgeinfer.tui.app import ChatApp
@@ -452,6 +476,8 @@ def chat(
         kv_budget=kv_budget,
         kv_policy=kv_policy,
         threads=threads,
+        device=device,
+        gpu_layers=gpu_layers,
     )
     settings.check()  # a bad option is one line now; a model that fails to load is shown in the chat
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
@@ -464,8 +490,8 @@ def chat(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_user_errors
 def info(model: str | None, as_json: bool) -> None:
-    """This machine (CPU features, RAM, backends) and, given MODEL, its metadata."""
-    from edgeinfer.backends import backend_status
+    """This machine (CPU features, RAM, backends) and, given MODEL, its metadata and the backends that run it."""
+    from edgeinfer.backends import AVAILABLE, backend_status
     from edgeinfer.models.catalog import resolve_model
     from edgeinfer.models.info import load_model_info
     from edgeinfer.system import available_ram, cpu_features, free_cores, usable_cores
@@ -494,8 +520,10 @@ def info(model: str | None, as_json: bool) -> None:
             "context_length": hp.n_ctx_train,
             "vocab_size": hp.n_vocab,
             "tensor_types": meta.tensor_types,
-            "kv_bytes_per_token_f16": meta.kv_bytes_per_token("f16"),
+            # Two bytes a value: the f16 cache every backend keeps (Backend.kv_bytes_per_token for others).
+            "kv_bytes_per_token_f16": meta.kv_values_per_token * 2,
             "chat_template": "built in" if meta.chat_template else "none (ChatML is used)",
+            "backends": backend_status(meta),  # each: "available", or why it skips this model
         }
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -520,6 +548,10 @@ def info(model: str | None, as_json: bool) -> None:
         )
         click.echo(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in sorted(m['tensor_types'].items()))}")
         click.echo(f"chat template: {m['chat_template']}")
+        auto = next((name for name, state in m["backends"].items() if state == AVAILABLE), None)
+        for i, (name, state) in enumerate(m["backends"].items()):
+            verdict = "supports it" + (" (auto's choice)" if name == auto else "") if state == AVAILABLE else state
+            click.echo(f"{'backends:' if i == 0 else '':<15}{name}: {verdict}")
 
 
 def _llama_cpp_build() -> str:
@@ -664,17 +696,9 @@ def convert(
     """Convert a Hugging Face checkpoint folder to GGUF, uniform or within a size budget."""
     from edgeinfer.converters.convert import convert as run_conversion
     from edgeinfer.converters.interrupt import Terminated, terminating_raises
-    from edgeinfer.kv import KVBudget
+    from edgeinfer.sizes import parse_size
 
-    size = None
-    if target_size is not None:
-        try:
-            parsed: KVBudget | None = KVBudget.parse(target_size)
-        except EdgeInferError:
-            parsed = None
-        if parsed is None or parsed.bytes is None:
-            _fail(f"--target-size {target_size!r} is not a size; give one such as '80MB' or '1.2GB'")
-        size = parsed.bytes if parsed else None
+    size = None if target_size is None else parse_size(target_size, "--target-size")
     try:
         with terminating_raises():
             report = run_conversion(
@@ -703,6 +727,7 @@ def convert(
 @click.option("--gen-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per answer.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after a warm-up.")
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@_placement_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, with every run's figures.")
 @click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the results into this PNG (matplotlib)."
@@ -715,6 +740,8 @@ def bench_command(
     gen_tokens: int,
     runs: int,
     threads: int | None,
+    device: str,
+    gpu_layers: int,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -724,7 +751,8 @@ def bench_command(
     decode tokens/s, peak memory and where each run's time goes. Each model/backend
     pair runs in a fresh process; ratios are to the first pair.
     """
-    from edgeinfer.bench import bench, check_plot_possible
+    from edgeinfer.bench.report import check_plot_possible
+    from edgeinfer.bench.runner import bench
 
     if plot is not None:
         check_plot_possible(plot)
@@ -735,6 +763,8 @@ def bench_command(
         gen_tokens=gen_tokens,
         runs=runs,
         threads=threads,
+        device=device,
+        gpu_layers=gpu_layers,
         progress=lambda line: click.echo(f"bench: {line}", err=True),
     )
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())

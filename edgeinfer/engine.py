@@ -18,21 +18,26 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.backends import backend_class
-from edgeinfer.backends.base import DEFAULT_BATCH_SIZE, Backend, BackendOptions
+from edgeinfer.backends import choose_backend
+from edgeinfer.backends.base import CPU, DEFAULT_BATCH_SIZE, Backend, BackendOptions, Span, check_options
 from edgeinfer.chat import MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.metrics import Metrics
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.sampling import Sampler, SamplingParams, sampling_params
+from edgeinfer.sequences import CachedSequence, SequenceCache
 from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, adrain, drain
-from edgeinfer.system import check_memory, default_threads, estimate_memory, usable_cores
+from edgeinfer.system import check_memory, thread_count
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Message] | Continuation
+# Sequences an engine keeps by default: a few conversations cached side by side, and the width of
+# generate_batch (the router's four samples). With llama.cpp's unified cache they cost no memory
+# beyond the one KV budget.
+DEFAULT_SEQUENCES = 4
 
 
 class Engine:
@@ -40,14 +45,20 @@ class Engine:
 
     Args:
         model: a ``.gguf`` path, a catalog alias (``edgeinfer list``) or ``hf:ORG/REPO/FILE.gguf``.
-        backend: a backend name, or ``"auto"`` for the best one that runs here.
-        kv_budget: the KV cache cap, in bytes (``"64MB"``, or an int) or tokens (``"512tok"``).
+        backend: a backend name, or ``"auto"`` for the first that runs here and supports the model.
+        kv_budget: the KV cache cap, in bytes (``"64MB"``, or an int) or tokens (``"512tok"``): one
+            total across all sequences.
         kv_policy: ``"sinks"``, ``"shift"`` or ``"error"`` (see ``KVPolicy``), or a ``KVPolicy``.
         kv_type: KV element type, ``"f16"`` or ``"q8_0"`` where the backend supports it.
         threads: CPU threads; default: the cores that are free right now. More than this
             process may use are capped to them.
         batch_size: prompt tokens evaluated in one step. Prompts are evaluated in chunks
             aligned to multiples of it, and a cached prefix is reused in whole chunks.
+        sequences: KV sequences the backend keeps: conversations cached side by side (a new
+            conversation that shares a system prompt with a cached one copies its KV instead of
+            recomputing it), and how many answers ``generate_batch`` decodes together.
+        device: where the backend runs (``"cpu"``, or a GPU its ``devices()`` lists).
+        gpu_layers: layers placed on ``device`` when it is a GPU (-1: all).
         force: load even if the memory estimate says it will not fit.
 
     One engine serves one generation at a time; calls from other threads wait their turn.
@@ -72,34 +83,40 @@ class Engine:
         kv_type: str = "f16",
         threads: int | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
+        sequences: int = DEFAULT_SEQUENCES,
+        device: str = CPU,
+        gpu_layers: int = 0,
         force: bool = False,
     ) -> None:
-        backend_cls = backend_class(backend)
         self.kv_budget = KVBudget.parse(kv_budget)
         self.kv_policy = KVPolicy.parse(kv_policy)
-        if kv_type not in backend_cls.kv_types:
-            raise InvalidOptionError(
-                f"KV type {kv_type!r} is not supported by the {backend_cls.name} backend; "
-                f"choose one of {', '.join(backend_cls.kv_types)}"
-            )
-        if threads is not None and threads < 1:
-            raise InvalidOptionError(f"threads must be at least 1, got {threads}")
-        if batch_size < 1:
-            raise InvalidOptionError(f"batch_size must be at least 1, got {batch_size}")
+        for name, value in (("batch_size", batch_size), ("sequences", sequences)):
+            if value < 1:
+                raise InvalidOptionError(f"{name} must be at least 1, got {value}")
         self.model_path = resolve_model(model)
         self.info: ModelInfo = load_model_info(self.model_path)
+        backend_cls = choose_backend(backend, self.info)
+        self.threads = thread_count(threads)
+        options = BackendOptions(
+            kv_tokens=0,
+            kv_type=kv_type,
+            threads=self.threads,
+            batch_size=batch_size,
+            n_seq=sequences,
+            device=device,
+            gpu_layers=gpu_layers,
+        )
+        check_options(backend_cls, options)
         block = backend_cls.kv_block
         wanted = min(
-            self.kv_budget.capacity(self.info.kv_bytes_per_token(kv_type), block), self.info.hparams.n_ctx_train
+            self.kv_budget.capacity(backend_cls.kv_bytes_per_token(self.info, kv_type), block),
+            self.info.hparams.n_ctx_train,
         )
         if wanted < MIN_KV_TOKENS:
             raise InvalidOptionError(f"a KV budget of {wanted} tokens is too small; give at least {MIN_KV_TOKENS}")
-        kv_tokens = -(-wanted // block) * block
-        weights = backend_cls.weight_bytes(self.info)
-        check_memory(estimate_memory(self.info, kv_tokens, kv_type, batch_size, weights), force=force)
+        options = dataclasses.replace(options, kv_tokens=wanted)
+        check_memory(backend_cls.memory(self.info, options), force=force)
 
-        # More threads than cores makes llama.cpp's spinning threads fight: up to 100x slower.
-        self.threads = min(threads, usable_cores()) if threads else default_threads()
         self.batch_size = batch_size
         self.kv_type = kv_type
         self.tokenizer = Tokenizer(self.model_path)
@@ -108,18 +125,11 @@ class Engine:
             bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
             eos_token=self.tokenizer.token_text(self.tokenizer.eos_id),
         )
-        self.backend: Backend = backend_cls(
-            self.info, BackendOptions(kv_tokens=wanted, kv_type=kv_type, threads=self.threads, batch_size=batch_size)
-        )
+        self.backend: Backend = backend_cls(self.info, options)
         self.capacity = min(wanted, self.backend.capacity)
         self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
-        self._cached: list[int] = []  # the tokens in the backend's KV cache, by position
-        # How many leading cached positions were computed in whole aligned prompt chunks, as a
-        # cold run computes them: only these are reused (a multiple of batch_size).
-        self._exact = 0
-        # The last prompt prefilled in full, and its last row of logits: while the cache still holds
-        # that prompt, asking it again (a replay, the router's samples) evaluates nothing.
-        self._last_prompt: tuple[list[int], np.ndarray] | None = None
+        self._cache = SequenceCache(self.backend, batch_size)
+        self._calls = 0  # counts calls, to find the least recently used sequence
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._async_streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()  # started, for _started_async
@@ -149,24 +159,31 @@ class Engine:
         Sampling options (``max_tokens``, ``temperature``, ``seed``, ``stop``, ...) are the
         fields of ``SamplingParams`` and override ``params``.
         """
-        if not isinstance(prompt, (str, Continuation)) and not (
-            isinstance(prompt, Sequence) and not isinstance(prompt, bytes)
-        ):
-            raise InvalidOptionError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise InvalidOptionError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params = params or SamplingParams()
-        if options:
-            unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
-            if unknown:
-                raise InvalidOptionError(
-                    f"unknown sampling option {', '.join(sorted(unknown))}; see SamplingParams for the options"
-                )
-            params = dataclasses.replace(params, **options)
+        _check_prompt(prompt)
+        params = sampling_params(params, options)
         cancel = threading.Event()
         logprobs: list[float] = []
         entropies: list[float] = []
-        return Stream(self._run(prompt, params, cancel, logprobs, entropies), cancel, logprobs, entropies)
+        generation = _Generation(params, logprobs, entropies)
+        return Stream(self._run(prompt, [generation], cancel), cancel, logprobs, entropies)
+
+    def generate_batch(
+        self, prompt: Prompt, params: Sequence[SamplingParams], *, cancel: threading.Event | None = None
+    ) -> list[Result]:
+        """One answer to ``prompt`` per entry of ``params``, decoded together as parallel sequences.
+
+        The prompt is evaluated once; the other sequences share its KV. Up to ``sequences``
+        answers are decoded in one step, more in turns; fewer when their prompt and
+        ``max_tokens`` would not fit the KV budget side by side. Setting ``cancel`` stops
+        them all after the current token (``finish_reason == "cancelled"``).
+        """
+        _check_prompt(prompt)
+        if not params or not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidOptionError("generate_batch needs a list of one or more SamplingParams")
+        cancel = cancel or threading.Event()
+        generations = [_Generation(p, [], []) for p in params]
+        drain(Stream(self._run(prompt, generations, cancel), cancel))
+        return [g.result for g in generations]  # type: ignore[misc]  # each set once the run ends
 
     async def agenerate(self, prompt: str, params: SamplingParams | None = None, **options: Any) -> Result:
         """Async ``generate``; cancelling the awaiting task cancels the generation."""
@@ -240,18 +257,21 @@ class Engine:
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """The ``(len(tokens), n_vocab)`` logits of every position, from an empty cache (for scoring).
 
-        The cache is left empty afterwards, so the next generation starts cold.
+        Runs in a sequence of its own, emptied afterwards; cached conversations stay cached when there is room.
         """
         if not 0 < len(tokens) <= self.capacity:
             raise InvalidOptionError(
                 f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
             )
         with self._hold():
-            self._forget(0)
+            seq = self._spare_sequence(())
+            self._cache.forget(seq, 0)
+            self._cache.drop_others([seq], len(tokens))
             try:
-                return np.array(self.backend.eval(tokens, 0, all_logits=True), dtype=np.float32)
+                (rows,) = self.backend.eval([Span(seq, 0, tokens, all_logits=True)])
+                return np.array(rows, dtype=np.float32)
             finally:
-                self.backend.truncate(0)
+                self.backend.truncate(seq, 0)
 
     def prompt_logprobs(self, prompt: Prompt, start: int = 1) -> list[float]:
         """The log-probability of each prompt token from index ``start`` on, given the tokens before it.
@@ -268,35 +288,37 @@ class Engine:
                 )
             start = max(1, min(start, len(tokens)))
             # Row i of the logits predicts token i + 1, so scoring from ``start`` evaluates from ``start - 1``.
-            first = self._reuse(tokens, start - 1)
+            seq = self._claim(tokens, start - 1)
             scores: list[float] = []
             try:
-                for chunk_start, rows in self._prefill(tokens, first, rows_from=start - 1):
+                for chunk_start, rows in self._prefill(seq, tokens, rows_from=start - 1):
                     if rows.ndim == 1:  # a chunk before the scored tokens: only its last row came back
                         continue
-                    for offset, row in enumerate(rows):
-                        position = chunk_start + offset
-                        if start - 1 <= position < len(tokens) - 1:
-                            scores.append(float(row[tokens[position + 1]]) - _logsumexp(row))
+                    first = max(start - 1, chunk_start)
+                    last = min(len(tokens) - 1, chunk_start + len(rows))
+                    if first < last:
+                        picked = rows[first - chunk_start : last - chunk_start]
+                        scores.extend(token_logprobs(picked, tokens[first + 1 : last + 1]).tolist())
             except BaseException:
-                self._forget(0)
+                self._cache.forget(seq, 0)
                 raise
             return scores
 
     def reset(self) -> None:
-        """Forget the cached conversation."""
+        """Forget every cached conversation."""
         with self._hold():
-            self._forget(0)
+            for seq in range(len(self._cache.sequences)):
+                self._cache.forget(seq, 0)
 
     @property
     def kv_used(self) -> int:
-        """Tokens in the KV cache now."""
-        return len(self._cached)
+        """KV cells in use now, across all sequences (a shared prefix counts once)."""
+        return self._cache.cells_used()
 
     @property
     def cached_tokens(self) -> list[int]:
-        """A copy of the token ids in the KV cache, by position."""
-        return list(self._cached)
+        """A copy of the token ids the last call left in the KV cache, by position."""
+        return list(max(self._cache.sequences, key=lambda s: s.used_at).tokens)
 
     def close(self) -> None:
         """Free the model now; waits for a generation running in another thread."""
@@ -316,183 +338,276 @@ class Engine:
     # -- the decode loop -----------------------------------------------------------------------
 
     def _run(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        cancel: threading.Event,
-        logprobs: list[float],
-        entropies: list[float],
+        self, prompt: Prompt, generations: list[_Generation], cancel: threading.Event
     ) -> Generator[str, None, Result]:
+        """Answer ``prompt`` once per generation; yields the text of the first (the only one, for ``stream``)."""
         start = perf_counter()  # TTFT counts any wait for another generation to finish
         with self._hold():
-            m = Metrics(kv_capacity=self.capacity)
             t = perf_counter()
             tokens = self.tokenize(prompt)
-            m.tokenize_s = perf_counter() - t
+            tokenize_s = perf_counter() - t
             if not tokens:
                 raise InvalidOptionError("the prompt is empty: give the model some text to continue")
+            for generation in generations:
+                generation.metrics = Metrics(kv_capacity=self.capacity, tokenize_s=tokenize_s)
             try:
-                result = yield from self._decode(tokens, params, cancel, m, start, logprobs, entropies)
+                for wave in self._waves(tokens, generations):
+                    yield from self._decode(tokens, wave, cancel, start)
             except (ContextFull, GeneratorExit):
                 raise
             except BaseException:
                 # A backend that failed mid-evaluation may hold a partial batch: start clean.
-                self._forget(0)
+                for seq in range(len(self._cache.sequences)):
+                    self._cache.forget(seq, 0)
                 raise
-            return result
+        return generations[0].result  # type: ignore[return-value]  # set by _decode
+
+    def _waves(self, prompt: list[int], generations: list[_Generation]) -> Iterator[list[_Generation]]:
+        """The generations in groups decoded together: as many as there are sequences and as fit side by side."""
+        longest = max(g.params.max_tokens for g in generations)
+        side_by_side = max(1, (self.capacity - len(prompt)) // longest)
+        size = min(len(self._cache.sequences), side_by_side)
+        for first in range(0, len(generations), size):
+            yield generations[first : first + size]
 
     def _decode(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        cancel: threading.Event,
-        m: Metrics,
-        start: float,
-        logprobs: list[float],
-        entropies: list[float],
-    ) -> Generator[str, None, Result]:
-        cached, backend, tokenizer = self._cached, self.backend, self.tokenizer
-        sampler = Sampler(params)
-        text = TextStream(params.stop)
-        reserve = min(params.max_tokens, self.capacity // 4)
+        self, prompt: list[int], generations: list[_Generation], cancel: threading.Event, start: float
+    ) -> Generator[str, None, None]:
+        lead = generations[0]
+        reserve = min(lead.params.max_tokens, self.capacity // 4)
         fitted = self.kv_policy.fit_prompt(
-            prompt, self.capacity, reserve, has_bos=tokenizer.add_bos, budget=self._budget_text
+            prompt, self.capacity, reserve, has_bos=self.tokenizer.add_bos, budget=self._budget_text
         )
-        m.prompt_tokens, m.prompt_cut = len(fitted), len(prompt) - len(fitted)
+        prompt_cut = len(prompt) - len(fitted)
         prompt = fitted
 
-        # Reuse the cached prefix (a chat's earlier turns). The first new token is drawn from the
-        # last prompt token's logits: saved if this prompt was the last one prefilled, else evaluated.
+        # Reuse a cached prefix (a chat's earlier turns, a shared system prompt). The first new token is drawn
+        # from the last prompt token's logits: saved if this prompt was the last one prefilled there, else evaluated.
         t = perf_counter()
+        seq = self._claim(prompt, len(prompt) - 1, replay=True)
+        state = self._cache.sequences[seq]
         logits: np.ndarray | None = None  # stays None only if cancelled before the first chunk
-        if self._last_prompt is not None and self._last_prompt[0] == prompt:
-            self._forget(len(prompt))  # drop the answer that followed it
-            logits = self._last_prompt[1]
-            m.cached_tokens = len(prompt)
+        if state.last_prompt == prompt:
+            self._cache.forget(seq, len(prompt))  # drop the answer that followed it
+            logits, cached = state.last_logits, len(prompt)
         else:
-            m.cached_tokens = self._reuse(prompt, len(prompt) - 1)
+            cached = len(state.tokens)
+            self._cache.drop_others([seq], len(prompt) - cached + len(generations) * reserve)
             # Prefill a chunk at a time, so a cancel waits for one chunk, not the whole prompt.
-            for _, chunk_logits in self._prefill(prompt, m.cached_tokens, cancel=cancel):
+            for _, chunk_logits in self._prefill(seq, prompt, cancel=cancel):
                 logits = chunk_logits
-            if logits is not None and len(cached) == len(prompt):
-                self._last_prompt = (list(prompt), np.array(logits))
-        m.prefill_s = perf_counter() - t
+            if logits is not None and len(state.tokens) == len(prompt):
+                state.last_prompt, state.last_logits = list(prompt), np.array(logits)
+        prefill_s = perf_counter() - t
         if logits is not None and not np.isfinite(logits).all():
             raise BackendError(
                 f"{self.model_path.name} produced NaN or infinite logits: its weights are corrupt; re-download it"
             )
-
-        output: list[int] = []
-        finish: FinishReason = "length"
+        seqs = [seq]
+        for _ in generations[1:]:
+            seqs.append(self._spare_sequence(seqs))
+        for other, generation in zip(seqs, generations, strict=True):
+            if other != seq:
+                self._cache.share(seq, other, len(prompt))
+            m = generation.metrics
+            m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = len(prompt), prompt_cut, cached, prefill_s
+            generation.start(other, logits, self._cache.sequences[other])
         try:
-            while True:
-                if logits is None or cancel.is_set():
-                    finish = "cancelled"
-                    break
-                t = perf_counter()
-                token = sampler(logits, cached)
-                logprob, entropy = _confidence(logits, token)  # the router's signals
-                t_sampled = perf_counter()
-                m.sample_s += t_sampled - t
-                if not output:
-                    m.ttft_s = t_sampled - start
-                if not params.ignore_eos and tokenizer.is_end_of_generation(token):
-                    finish = "stop"
-                    break
-                output.append(token)
-                m.token_times_s.append(t_sampled - start)
-                logprobs.append(logprob)
-                entropies.append(entropy)
-                t = perf_counter()
-                chunk = text.push(tokenizer.piece(token))
-                m.detokenize_s += perf_counter() - t
-                if chunk:
-                    yield chunk
-                if text.stopped:
-                    finish = "stop"
-                    break
-                if len(output) >= params.max_tokens:
-                    break
-                if len(cached) + 1 > self.capacity:
-                    self._make_room(1, m)
-                t = perf_counter()
-                logits = backend.eval((token,), len(cached))
-                cached.append(token)
-                m.decode_s += perf_counter() - t
+            yield from self._decode_steps(generations, cancel, start)
         except ContextFull as exc:
-            raise ContextFull(str(exc), partial=text.text) from None
-        tail = text.flush()
-        if tail:
-            yield tail
-        m.output_tokens = len(output)
-        m.total_s = perf_counter() - start
-        m.kv_used = len(cached)
-        return Result(
-            text.text, output, finish, m, self.model_path.name, backend.name, logprobs=logprobs, entropies=entropies
-        )
+            raise ContextFull(str(exc), partial=lead.text.text) from None
+        if len(generations) == 1:
+            tail = lead.text.flush()
+            if tail:
+                yield tail
+        for generation in generations:
+            generation.finish(self, perf_counter() - start)
 
-    def _make_room(self, n_incoming: int, m: Metrics) -> None:
-        start, end = self.kv_policy.eviction(
-            len(self._cached),
+    def _decode_steps(
+        self, generations: list[_Generation], cancel: threading.Event, start: float
+    ) -> Generator[str, None, None]:
+        """Sample a token for every running generation, then evaluate them all in one step, until all end."""
+        streaming = len(generations) == 1
+        running = list(generations)
+        tokenizer, backend = self.tokenizer, self.backend
+        while running:
+            stepping = []
+            for generation in running:
+                if generation.logits is None or cancel.is_set():
+                    generation.finish_reason = "cancelled"
+                    continue
+                token = generation.sample(tokenizer, start)
+                if streaming and generation.chunk:
+                    yield generation.chunk
+                if generation.finish_reason is None:
+                    stepping.append((generation, token))
+            running = [generation for generation, _ in stepping]
+            if not running:
+                return
+            self._make_room(running, len(running))
+            spans = [Span(g.seq, len(g.state.tokens), (token,)) for g, token in stepping]
+            t = perf_counter()
+            rows = backend.eval(spans)
+            elapsed = perf_counter() - t
+            for span, generation, row in zip(spans, running, rows, strict=True):
+                self._cache.append(span.seq, span.tokens)
+                generation.logits = row
+                generation.metrics.decode_s += elapsed
+
+    def _make_room(self, running: list[_Generation], n_incoming: int) -> None:
+        """Free cells for ``n_incoming`` more: other sequences' first; then, for one generation, the KV policy's."""
+        if self._cache.cells_used() + n_incoming <= self.capacity:
+            return
+        self._cache.drop_others([g.seq for g in running], n_incoming)
+        free = self.capacity - self._cache.cells_used()
+        if free >= n_incoming:
+            return
+        if len(running) > 1:  # _waves fits parallel answers side by side; only a shrunken budget gets here
+            raise ContextFull(f"{len(running)} answers decoded together outgrew the KV budget ({self._budget_text})")
+        generation = running[0]
+        evict_from, evict_to = self.kv_policy.eviction(
+            len(generation.state.tokens),
             n_incoming,
-            self.capacity,
+            len(generation.state.tokens) + free,
             has_bos=self.tokenizer.add_bos,
             budget=self._budget_text,
         )
-        self.backend.evict(start, end)
-        del self._cached[start:end]
-        # Shifted positions were re-rotated, not computed as a cold run computes them.
-        self._exact = min(self._exact, start // self.batch_size * self.batch_size)
-        self._last_prompt = None
-        m.kv_evicted += end - start
+        self._cache.evict(generation.seq, evict_from, evict_to)
+        generation.metrics.kv_evicted += evict_to - evict_from
 
     # -- the prompt cache ----------------------------------------------------------------------
 
-    def _reuse(self, tokens: Sequence[int], limit: int) -> int:
-        """Keep the longest cached prefix of ``tokens`` (at most ``limit``) that a cold run would compute alike.
+    def _claim(self, tokens: Sequence[int], limit: int, *, replay: bool = False) -> int:
+        """The sequence to evaluate ``tokens`` in, already holding as much of them as can be reused.
 
-        That is a whole number of aligned chunks, all computed as prompt chunks. Returns its length.
+        The one holding the longest reusable prefix (at most ``limit``), or with ``replay`` the one that
+        last prefilled exactly ``tokens`` (its saved logits stand for their evaluation). If it holds
+        another conversation, which ``tokens`` do not continue, that one stays cached and the prefix
+        is shared into a spare sequence.
         """
-        reuse = min(_common_prefix(self._cached, tokens), limit, self._exact)
-        self._forget(reuse // self.batch_size * self.batch_size)
-        return len(self._cached)
+        self._calls += 1
+        sequences = self._cache.sequences
+        for seq, state in enumerate(sequences):
+            if replay and state.last_prompt == list(tokens):
+                state.used_at = self._calls
+                return seq
+        reuse = [state.reusable(tokens, limit, self.batch_size) for state in sequences]
+        best = max(range(len(sequences)), key=lambda s: (reuse[s], sequences[s].used_at))
+        held = sequences[best].last_prompt
+        if held is None or list(tokens[: len(held)]) == held or len(sequences) == 1:
+            seq = best
+            self._cache.forget(seq, reuse[best])
+        else:  # another conversation: keep it, and share the common prefix
+            seq = self._spare_sequence([best])
+            self._cache.forget(seq, 0)
+            if reuse[best]:
+                self._cache.share(best, seq, reuse[best])
+        sequences[seq].used_at = self._calls
+        return seq
 
-    def _forget(self, n: int) -> None:
-        """Drop cached positions from ``n`` on."""
-        self.backend.truncate(n)
-        del self._cached[n:]
-        self._exact = min(self._exact, n)
-        if self._last_prompt is not None and n < len(self._last_prompt[0]):
-            self._last_prompt = None
+    def _spare_sequence(self, taken: Sequence[int]) -> int:
+        """An empty sequence not in ``taken``, else the least recently used one (emptied by the caller)."""
+        free = [s for s in range(len(self._cache.sequences)) if s not in taken]
+        state = self._cache.sequences
+        return min(free, key=lambda s: (bool(state[s].tokens), state[s].used_at))
 
     def _prefill(
         self,
+        seq: int,
         tokens: Sequence[int],
-        first: int,
         *,
         cancel: threading.Event | None = None,
         rows_from: int | None = None,
     ) -> Iterator[tuple[int, np.ndarray]]:
-        """Evaluate ``tokens[first:]`` in chunks aligned to multiples of ``batch_size``; yield each chunk's logits.
+        """Evaluate ``tokens`` past what ``seq`` holds, in chunks aligned to multiples of ``batch_size``; yield each
+        chunk's logits.
 
-        ``first`` must be the number of cached positions, a chunk boundary. A chunk that
-        reaches ``rows_from`` yields every row's logits, any other only its last row's.
-        Stops between chunks once ``cancel`` is set.
+        What ``seq`` holds must end on a chunk boundary. A chunk that reaches ``rows_from`` yields
+        every row's logits, any other only its last row's. Stops between chunks once ``cancel`` is set.
         """
         size = self.batch_size
-        for start in range(first, len(tokens), size):
+        for first in range(len(self._cache.sequences[seq].tokens), len(tokens), size):
             if cancel is not None and cancel.is_set():
                 return
-            chunk = tokens[start : start + size]
-            all_rows = rows_from is not None and start + len(chunk) > rows_from
-            logits = self.backend.eval(chunk, start, all_logits=all_rows)
-            self._cached.extend(chunk)
-            if len(chunk) == size and self._exact == start:
-                self._exact = start + size
-            yield start, logits
+            chunk = tokens[first : first + size]
+            all_rows = rows_from is not None and first + len(chunk) > rows_from
+            (logits,) = self.backend.eval([Span(seq, first, chunk, all_logits=all_rows)])
+            self._cache.append(seq, chunk, exact_chunk=len(chunk) == size)
+            yield first, logits
 
     def _hold(self) -> _EngineLock:
         return _EngineLock(self)
+
+
+class _Generation:
+    """One answer in the decode loop: its sampler, text, metrics and sequence."""
+
+    def __init__(self, params: SamplingParams, logprobs: list[float], entropies: list[float]) -> None:
+        self.params = params
+        self.sampler = Sampler(params)
+        self.text = TextStream(params.stop)
+        self.logprobs, self.entropies = logprobs, entropies
+        self.output: list[int] = []
+        self.metrics = Metrics()
+        self.finish_reason: FinishReason | None = None
+        self.chunk = ""
+        self.result: Result | None = None
+
+    def start(self, seq: int, logits: np.ndarray | None, state: CachedSequence) -> None:
+        self.seq, self.logits, self.state = seq, logits, state
+
+    def sample(self, tokenizer: Tokenizer, start: float) -> int:
+        """Draw the next token. Sets ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
+        m, params, logits = self.metrics, self.params, self.logits
+        t = perf_counter()
+        token = self.sampler(logits, self.state.tokens)
+        if params.logprobs:  # the router's signals, only when asked: a pass over the whole row
+            logprob, entropy = confidence(logits, token)
+        t_sampled = perf_counter()
+        m.sample_s += t_sampled - t
+        if not self.output:
+            m.ttft_s = t_sampled - start
+        self.chunk = ""
+        if not params.ignore_eos and tokenizer.is_end_of_generation(token):
+            self.finish_reason = "stop"
+            return token
+        self.output.append(token)
+        m.token_times_s.append(t_sampled - start)
+        if params.logprobs:
+            self.logprobs.append(logprob)
+            self.entropies.append(entropy)
+        t = perf_counter()
+        self.chunk = self.text.push(tokenizer.piece(token))
+        m.detokenize_s += perf_counter() - t
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif len(self.output) >= params.max_tokens:
+            self.finish_reason = "length"
+        return token
+
+    def finish(self, engine: Engine, elapsed: float) -> None:
+        self.text.flush()
+        m = self.metrics
+        m.output_tokens = len(self.output)
+        m.total_s = elapsed
+        m.kv_used = engine.kv_used
+        self.result = Result(
+            self.text.text,
+            self.output,
+            self.finish_reason or "length",
+            m,
+            engine.model_path.name,
+            engine.backend.name,
+            logprobs=self.logprobs,
+            entropies=self.entropies,
+        )
+
+
+def _check_prompt(prompt: object) -> None:
+    if not isinstance(prompt, (str, Continuation)) and not (
+        isinstance(prompt, Sequence) and not isinstance(prompt, bytes)
+    ):
+        raise InvalidOptionError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
 
 
 class _EngineLock:
@@ -518,24 +633,16 @@ class _EngineLock:
         self._engine._lock.release()
 
 
-def _confidence(logits: np.ndarray, token: int) -> tuple[float, float]:
-    """The log-probability of ``token`` and the entropy (nats) of the softmax of ``logits``, in one pass."""
-    below = logits.max() - logits  # >= 0, so exp() cannot overflow
+def confidence(logits: np.ndarray, token: int) -> tuple[float, float]:  # TEMP until edgeinfer/logits.py lands
+    below = logits.max() - logits
     weights = np.exp(-below)
     total = float(weights.sum(dtype=np.float64))
     log_total = float(np.log(total))
-    # With p = weights / total: log p(token) = -below[token] - log(total); H = sum(p * below) + log(total).
     return -float(below[token]) - log_total, float(weights @ below) / total + log_total
 
 
-def _logsumexp(logits: np.ndarray) -> float:
-    top = float(logits.max())
-    return top + float(np.log(np.exp(logits - top).sum(dtype=np.float64)))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def token_logprobs(rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:  # TEMP
+    rows = rows.astype(np.float64)
+    top = rows.max(axis=1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
+    return rows[np.arange(len(rows)), tokens] - lse

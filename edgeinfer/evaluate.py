@@ -23,6 +23,7 @@ import numpy as np
 from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidOptionError
 from edgeinfer.kv import MIN_KV_TOKENS
+from edgeinfer.logits import log_softmax
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,6 @@ def _chunks(engine: Engine, tokens: list[int], ctx: int) -> Iterator[tuple[list[
         if bos is not None:
             chunk = [bos, *chunk[1:]]
         yield chunk, targets
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Rows of logits as log-probabilities, in float64."""
-    x = logits.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _scored_logprobs(engine: Engine, chunk: list[int]) -> np.ndarray:

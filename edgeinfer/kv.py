@@ -6,11 +6,11 @@ remove or shift ranges when the policy says so.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from edgeinfer.errors import ContextFull, InvalidOptionError
+from edgeinfer.sizes import TOKEN_COUNT, format_size, parse_size
 
 DEFAULT_KV_BUDGET = "4096tok"
 # Below this a cache cannot hold a sink, a window and a new token at once.
@@ -20,9 +20,6 @@ POLICIES: tuple[PolicyName, ...] = ("sinks", "shift", "error")
 
 # StreamingLLM keeps 4 attention-sink tokens; fewer lets perplexity explode once the start is evicted.
 STREAMING_SINKS = 4
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(tok|tokens|[kmg]i?b|b)?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,7 @@ class KVBudget:
             raise InvalidOptionError("a KV budget is a positive number of bytes or of tokens, not both")
 
     def __str__(self) -> str:
-        return f"{self.tokens} tokens" if self.tokens is not None else _format_bytes(self.bytes or 0)
+        return f"{self.tokens} tokens" if self.tokens is not None else format_size(self.bytes or 0)
 
     def describe(self, capacity: int) -> str:
         """The budget with what it buys, for messages: ``"512 tokens"``, ``"64.0 MB = 2560 tokens"``."""
@@ -54,16 +51,12 @@ class KVBudget:
             text = value
         else:
             raise InvalidOptionError(f"kv_budget must be a string such as '64MB' or '512tok', got {value!r}")
-        match = _BUDGET.match(text)
-        if not match:
-            raise InvalidOptionError(
-                f"cannot read KV budget {value!r}: use bytes such as '64MB' or tokens such as '512tok'"
-            )
-        number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        size = int(number) if unit in ("tok", "tokens") else int(number * _UNITS[unit])
-        if size <= 0:
+        tokens = TOKEN_COUNT.match(text)
+        if tokens is None:
+            return cls(bytes=parse_size(text, "KV budget", or_else=" or tokens such as '512tok'"))
+        if int(tokens.group(1)) == 0:
             raise InvalidOptionError(f"KV budget {value!r} is zero; give a positive size such as '64MB' or '512tok'")
-        return cls(tokens=size) if unit in ("tok", "tokens") else cls(bytes=size)
+        return cls(tokens=int(tokens.group(1)))
 
     def capacity(self, bytes_per_token: float, block: int) -> int:
         """Tokens this budget holds when the backend allocates KV in multiples of ``block`` tokens.
@@ -78,7 +71,7 @@ class KVBudget:
         if tokens < block:
             raise InvalidOptionError(
                 f"KV budget {self} holds {fits} tokens, less than the backend's allocation unit of {block} tokens "
-                f"({_format_bytes(int(block * bytes_per_token))}); raise --kv-budget"
+                f"({format_size(int(block * bytes_per_token))}); raise --kv-budget"
             )
         return tokens
 
@@ -148,10 +141,3 @@ class KVPolicy:
             return tokens
         keep = min(self.keep(has_bos), room // 2)
         return tokens[:keep] + tokens[len(tokens) - (room - keep) :]
-
-
-def _format_bytes(n: int) -> str:
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

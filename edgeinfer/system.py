@@ -2,7 +2,9 @@
 
 Everything here is about refusing early with a clear line rather than crashing
 late: a model that will not fit in RAM, a thread count that would oversubscribe
-busy cores, and a llama.cpp build whose AMX kernels fault on this CPU.
+busy cores, and a llama.cpp build whose AMX kernels fault on this CPU. It also
+holds the few facts about this process that several parts need: its peak RSS,
+llama.cpp's shared libraries, and the environment of a child Python.
 """
 
 from __future__ import annotations
@@ -15,15 +17,14 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from edgeinfer.buildflags import cpu_flags, rebuild_command
-from edgeinfer.errors import BackendUnavailableError, InsufficientMemoryError
-from edgeinfer.models.info import ModelInfo
+from edgeinfer.errors import BackendUnavailableError, InsufficientMemoryError, InvalidOptionError
+from edgeinfer.files import write_atomic
 
 # CPU flags that decide which ggml kernels can run.
 INTERESTING_CPU_FLAGS = (
@@ -69,10 +70,23 @@ def free_cores(sample_s: float = 0.1) -> int:
     return max(1, min(cores, int(len(per_cpu) - busy + 0.25)))
 
 
-def default_threads() -> int:
-    """Threads for llama.cpp: the free cores, but no more than the physical ones."""
+def thread_count(requested: int | None = None, *, spinning: bool = True, spare: int = 0) -> int:
+    """How many threads native work runs on; every thread count in edgeinfer comes from here.
+
+    ``requested`` (``--threads``) is capped at the usable cores: more makes llama.cpp's spinning
+    threads fight, up to 100x slower. Without it: for ``spinning`` threads (llama.cpp's, which
+    spin while they wait) the free cores, no more than the physical ones, less ``spare`` cores
+    left to other work (the chat's UI); for threads that sleep while they wait (a pool over
+    ggml's quantizers), every usable core, without the 0.1 s it takes to measure the free ones.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise InvalidOptionError(f"threads must be at least 1, got {requested}")
+        return min(requested, usable_cores())
+    if not spinning:
+        return usable_cores()
     physical = psutil.cpu_count(logical=False) or usable_cores()
-    return max(1, min(physical, free_cores()))
+    return max(1, min(physical, free_cores()) - spare)
 
 
 def available_ram() -> int:
@@ -88,40 +102,59 @@ def available_ram() -> int:
     return max(0, available)
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes a loaded model will need."""
+def peak_rss() -> int:
+    """This process's peak resident set so far, in bytes."""
+    if sys.platform == "win32":
+        return int(psutil.Process().memory_info().peak_wset)
+    if sys.platform == "linux":
+        # Not ru_maxrss: Linux carries it over from the parent across fork and exec, so a child
+        # started by a parent that had just read a large buffer would report the parent's peak.
+        with contextlib.suppress(OSError), open("/proc/self/status") as status:  # no /proc: ru_maxrss below
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    import resource  # Unix only, so imported where Windows never gets
 
-    weights: int
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux and the BSDs KiB
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a loaded model will take: on the host, and on its device when it has one.
+
+    A backend fills it in (``Backend.memory``), since only it knows where it puts what.
+    """
+
+    weights: int  # host bytes from here to ``overhead``
     kv: int
     overhead: int
+    device: str = "cpu"
+    device_bytes: int = 0  # weights and KV placed on ``device``
+    device_free: int | None = None  # what ``device`` has free; None: nothing to check
 
     @property
     def total(self) -> int:
+        """Host bytes."""
         return self.weights + self.kv + self.overhead
 
 
-def estimate_memory(
-    info: ModelInfo, kv_tokens: int, kv_type: str, batch_size: int, weights: int | None = None
-) -> MemoryEstimate:
-    """Weights (default: the file, mapped), the KV cache and the compute buffers for one batch."""
-    kv = int(kv_tokens * info.kv_bytes_per_token(kv_type))
-    # One batch of activations and the logits row buffer, in f32.
-    compute = 4 * batch_size * (info.hparams.n_vocab + 8 * info.hparams.n_embd)
-    return MemoryEstimate(
-        weights=info.file_size if weights is None else weights, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute
-    )
-
-
-def check_memory(estimate: MemoryEstimate, *, force: bool) -> None:
-    """Refuse to load what will not fit in RAM, unless forced."""
+def check_memory(need: MemoryNeed, *, force: bool) -> None:
+    """Refuse to load what will not fit in RAM, or in the device's memory, unless forced."""
+    if force:
+        return
+    mb = 2**20
     available = available_ram()
-    if estimate.total > available and not force:
-        mb = 2**20
+    if need.total > available:
         raise InsufficientMemoryError(
-            f"the model needs about {estimate.total / mb:.0f} MiB (weights {estimate.weights / mb:.0f}, "
-            f"KV cache {estimate.kv / mb:.0f}, buffers {estimate.overhead / mb:.0f}) but only "
+            f"the model needs about {need.total / mb:.0f} MiB of RAM (weights {need.weights / mb:.0f}, "
+            f"KV cache {need.kv / mb:.0f}, buffers {need.overhead / mb:.0f}) but only "
             f"{available / mb:.0f} MiB is available; lower --kv-budget, pick a smaller model, or pass --force"
+        )
+    if need.device_free is not None and need.device_bytes > need.device_free:
+        raise InsufficientMemoryError(
+            f"the layers placed on {need.device} need about {need.device_bytes / mb:.0f} MiB of its memory but only "
+            f"{need.device_free / mb:.0f} MiB is free; lower --gpu-layers or --kv-budget, or pass --force"
         )
 
 
@@ -132,13 +165,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer"
 
 
-def _native_build_id() -> str | None:
-    """A fingerprint of the installed llama.cpp shared libraries (path, size, mtime)."""
+def llama_cpp_libraries() -> list[Path] | None:
+    """The shared libraries llama-cpp-python ships (its ``lib`` folder); None where it is not installed."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return None
     lib_dir = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    libs = sorted(lib_dir.glob("*.so*")) + sorted(lib_dir.glob("*.dylib")) + sorted(lib_dir.glob("*.dll"))
+    return sorted(lib_dir.glob("*.so*")) + sorted(lib_dir.glob("*.dylib")) + sorted(lib_dir.glob("*.dll"))
+
+
+def llama_cpp_library(stem: str) -> Path | None:
+    """One of those libraries by stem (``"ggml-base"``), whatever the platform calls its file."""
+    names = {f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.dll"}
+    return next((lib for lib in llama_cpp_libraries() or () if lib.name in names), None)
+
+
+def child_env() -> dict[str, str]:
+    """This environment for a child Python: the folder this edgeinfer was imported from goes first on
+    PYTHONPATH, so ``python -m edgeinfer...`` in the child runs this code, not another install of it."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+
+
+def _native_build_id() -> str | None:
+    """A fingerprint of the installed llama.cpp shared libraries (path, size, mtime)."""
+    libs = llama_cpp_libraries()
+    if libs is None:
+        return None
     digest = hashlib.sha256()
     for lib in libs:
         stat = lib.stat()
@@ -150,13 +203,13 @@ PROBE_TIMEOUT_S = 300
 # Loads the model and runs a prompt batch and a single-token decode: the two matmul paths.
 _PROBE_CODE = (
     "import sys\n"
-    "from edgeinfer.backends.base import BackendOptions\n"
+    "from edgeinfer.backends.base import BackendOptions, Span\n"
     "from edgeinfer.backends.llamacpp import LlamaCppBackend\n"
     "from edgeinfer.models.info import load_model_info\n"
     "options = BackendOptions(kv_tokens=256, threads=1, batch_size=32)\n"
     "b = LlamaCppBackend(load_model_info(sys.argv[1]), options, probe=False)\n"
-    "b.eval([1, 2, 3, 4, 5, 6, 7, 8], 0)\n"
-    "b.eval([9], 8)\n"
+    "b.eval([Span(0, 0, [1, 2, 3, 4, 5, 6, 7, 8])])\n"
+    "b.eval([Span(0, 8, [9])])\n"
 )
 
 
@@ -177,12 +230,10 @@ def probe_native_build(model_path: Path, *, command: list[str] | None = None) ->
         verified = {}
     if command is None and build is not None and verified.get(build) == "ok":
         return
-    package_root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     try:
         child = subprocess.run(
             command or [sys.executable, "-c", _PROBE_CODE, str(model_path)],
-            env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+            env=child_env(), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         raise BackendUnavailableError(
@@ -205,16 +256,5 @@ def probe_native_build(model_path: Path, *, command: list[str] | None = None) ->
     if command is None and build is not None:
         verified[build] = "ok"
         with contextlib.suppress(OSError):  # a read-only home: probe again next time rather than fail
-            _write_atomic(state_file, json.dumps(verified))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(state_file, json.dumps(verified))

@@ -10,6 +10,7 @@ build millions of Python objects.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -87,13 +88,36 @@ def array_length(value: Any) -> int:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One entry of the tensor directory. ``shape`` is in ggml order (fastest dimension first)."""
+    """One entry of the tensor directory, checked when read to lie inside the file.
+
+    ``shape`` is in ggml order (fastest dimension first; ``numpy_shape`` reverses it), ``offset``
+    counts from the start of the file. The data is ``n_rows`` rows of ``shape[0]`` elements, each
+    row ``blocks_per_row`` blocks of the type's ``GGML_QUANT_SIZES`` (one element a block for
+    F32 and F16), ``row_bytes`` bytes.
+    """
 
     name: str
     shape: tuple[int, ...]
     type: GGMLQuantizationType
     offset: int
     nbytes: int
+
+    @property
+    def numpy_shape(self) -> tuple[int, ...]:
+        """The shape as numpy indexes the data: a projection is ``(n_out, n_in)``."""
+        return self.shape[::-1]
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def blocks_per_row(self) -> int:
+        return self.shape[0] // GGML_QUANT_SIZES[self.type][0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.blocks_per_row * GGML_QUANT_SIZES[self.type][1]
 
 
 @dataclass(frozen=True)
@@ -119,7 +143,7 @@ class _Cursor:
         self.strings_left = MAX_STRINGS
 
     def fail(self, what: str) -> InvalidModelError:
-        return InvalidModelError(f"{self.path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
+        return _invalid(self.path, what)
 
     def truncated(self, what: str) -> InvalidModelError:
         return self.fail(f"{what}; the file is truncated or corrupt")
@@ -222,6 +246,22 @@ class _Cursor:
         return decoded
 
 
+def _invalid(path: Path, what: str) -> InvalidModelError:
+    """The one-line error for a malformed GGUF file, ``what`` naming the field at fault."""
+    return InvalidModelError(f"{path.name} is not a valid GGUF file: {what} (re-download or re-convert it)")
+
+
+def check_in_file(tensor: TensorInfo, path: Path, file_size: int) -> None:
+    """Raise InvalidModelError, naming the tensor, if its data runs past the file's ``file_size`` bytes."""
+    end = tensor.offset + tensor.nbytes
+    if end > file_size:
+        raise _invalid(
+            path,
+            f"tensor '{tensor.name}' data ends at byte {end}, past the end of the file ({file_size} bytes); "
+            "the file is truncated",
+        )
+
+
 def read_header(path: str | Path) -> GGUFHeader:
     """Read and check a GGUF file's metadata and tensor directory.
 
@@ -315,9 +355,7 @@ def _check_tensor(
 ) -> TensorInfo:
     if any(d <= 0 or d >= 2**63 for d in shape):  # llama.cpp reads dimensions as signed
         raise cur.fail(f"tensor '{name}' has shape {list(shape)} with a dimension that is not positive")
-    n_elements = 1
-    for d in shape:
-        n_elements *= d
+    n_elements = math.prod(shape)
     if n_elements >= 2**62:
         raise cur.fail(f"tensor '{name}' has shape {list(shape)}, too many elements")
     try:
@@ -327,11 +365,6 @@ def _check_tensor(
         raise cur.fail(f"tensor '{name}' has unknown type {type_raw}") from None
     if shape[0] % block_size:
         raise cur.fail(f"tensor '{name}' rows of {shape[0]} do not divide into {qtype.name} blocks of {block_size}")
-    nbytes = n_elements // block_size * type_size
-    start = data_offset + offset
-    if start + nbytes > file_size:
-        raise cur.fail(
-            f"tensor '{name}' data ends at byte {start + nbytes}, past the end of the file ({file_size} bytes); "
-            "the file is truncated"
-        )
-    return TensorInfo(name, shape, qtype, start, nbytes)
+    tensor = TensorInfo(name, shape, qtype, data_offset + offset, n_elements // block_size * type_size)
+    check_in_file(tensor, cur.path, file_size)
+    return tensor

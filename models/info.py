@@ -23,9 +23,6 @@ from edgeinfer.models.arch import (
 )
 from edgeinfer.models.gguf_file import GGUFHeader, LongArray, TensorInfo, array_length, read_header
 
-# Bytes one cached K or V element takes, by KV cache type. q8_0 stores 32 values in 34 bytes.
-# f32 is for exact comparisons between backends, not for saving memory.
-KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "f32": 4.0}
 # llama.cpp's tokenizers for the architectures we run: SentencePiece and byte-level BPE.
 TOKENIZER_MODELS = ("llama", "gpt2")
 _BYTE_TOKEN = re.compile(rb"<0x[0-9A-Fa-f]{2}>")
@@ -80,10 +77,14 @@ class ModelInfo:
         """ggml type name -> how many tensors have it."""
         return dict(Counter(t.type.name for t in self.tensors))
 
-    def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
-        """Bytes of KV cache one token takes: K and V, every layer, every KV head."""
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values of KV cache one token takes: K and V, every layer, every KV head.
+
+        Bytes depend on how a backend lays its cache out: ``Backend.kv_bytes_per_token``.
+        """
         hp = self.hparams
-        return 2 * hp.n_layer * hp.kv_dim * KV_TYPE_BYTES[kv_type]
+        return 2 * hp.n_layer * hp.kv_dim
 
 
 def load_model_info(path: str | Path) -> ModelInfo:

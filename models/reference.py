@@ -9,7 +9,8 @@ every architecture in ``models/arch.py``. Readable top to bottom, one block at a
         x = model.block(layer, x, positions)          # full causal attention over x
     logits = model.head(x)
 
-``block`` also takes a layer's slice of a KV cache, to decode token by token, and an
+``block`` also takes a ``KVCache``, which keeps keys and values and decides whom each new
+token attends to (one sequence or several), and an
 ``observe(name, inputs)`` callback that sees the input activations of every matrix
 multiplication, by weight name (what calibration needs). Weights are asked for by name
 when used, so a caller that loads them one layer at a time holds one layer in memory.
@@ -19,15 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from gguf import MODEL_TENSOR
-from gguf.quants import dequantize
 
 from edgeinfer.models.arch import HParams, RopeStyle, tensor_name
-from edgeinfer.models.gguf_file import TensorInfo
 from edgeinfer.models.info import ModelInfo
+from edgeinfer.models.tensors import open_tensors
 
 Weights = Callable[[str], np.ndarray]
 """Returns a tensor by GGUF name as float32, in numpy order: a projection is ``(n_out, n_in)``."""
@@ -36,24 +36,18 @@ Observer = Callable[[str, np.ndarray], None]
 
 
 def gguf_weights(info: ModelInfo) -> dict[str, np.ndarray]:
-    """Every tensor of a GGUF file, dequantized to float32 by gguf-py."""
-    return {t.name: gguf_tensor(info, t) for t in info.tensors}
+    """Every tensor of a GGUF file as float32 in numpy order, dequantized by gguf-py."""
+    with open_tensors(info) as tensors:
+        return {name: tensors.dequantize(name) for name in tensors}
 
 
-def gguf_tensor(info: ModelInfo, tensor: TensorInfo) -> np.ndarray:
-    """One tensor of a GGUF file, dequantized to float32 by gguf-py, reading no other."""
-    n_rows = int(np.prod(tensor.shape[1:], dtype=np.int64))
-    raw = np.memmap(info.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(n_rows, tensor.nbytes // n_rows))
-    return dequantize(raw, tensor.type).reshape(tuple(reversed(tensor.shape))).astype(np.float32, copy=False)
+class KVCache(Protocol):
+    """Where a forward pass keeps keys and values, and which of them each new query sees."""
 
-
-@dataclass
-class LayerCache:
-    """One layer's cached keys (already rotated) and values, by position: ``(capacity, n_kv_head, head_dim)``."""
-
-    k: np.ndarray
-    v: np.ndarray
-    length: int = 0
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Store the new tokens' keys ``k`` (already rotated) and values ``v``, ``(n, kv heads, d)``, of ``layer``;
+        return the attention ``(n, heads, d)`` of the queries ``q`` over the cached keys each one may see."""
+        ...
 
 
 class Transformer:
@@ -65,13 +59,14 @@ class Transformer:
         half = hparams.head_dim // 2
         self.inv_freq = hparams.rope_base ** (-np.arange(half, dtype=np.float64) / half)
 
-    def forward(
-        self, tokens: Sequence[int], positions: np.ndarray, caches: Sequence[LayerCache] | None = None
-    ) -> np.ndarray:
-        """Logits ``(len(tokens), n_vocab)`` for tokens at ``positions``, appending to ``caches`` if given."""
+    def forward(self, tokens: Sequence[int], positions: np.ndarray, cache: KVCache | None = None) -> np.ndarray:
+        """Logits ``(len(tokens), n_vocab)`` for tokens at ``positions``, kept in ``cache`` if given.
+
+        The tokens may belong to several sequences: ``cache`` knows which, and whom each attends to.
+        """
         x = self.embed(tokens)
         for layer in range(self.hp.n_layer):
-            x = self.block(layer, x, positions, caches[layer] if caches is not None else None)
+            x = self.block(layer, x, positions, cache)
         return self.head(x)
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
@@ -82,10 +77,10 @@ class Transformer:
         layer: int,
         x: np.ndarray,
         positions: np.ndarray,
-        cache: LayerCache | None = None,
+        cache: KVCache | None = None,
         observe: Observer | None = None,
     ) -> np.ndarray:
-        """One transformer block. Without a cache, ``x`` attends causally to itself alone."""
+        """One transformer block. Without a cache, ``x`` is one sequence and attends causally to itself alone."""
         hp, w = self.hp, self.weights
 
         def project(kind: MODEL_TENSOR, h: np.ndarray) -> np.ndarray:
@@ -104,14 +99,8 @@ class Transformer:
         v = project(MODEL_TENSOR.ATTN_V, h).reshape(n, hp.n_head_kv, hp.head_dim)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            cache.k[past : past + n] = k
-            cache.v[past : past + n] = v
-            cache.length = past + n
-            k, v = cache.k[: past + n].astype(np.float32), cache.v[: past + n].astype(np.float32)
-        x = x + project(MODEL_TENSOR.ATTN_OUT, attention(q, k, v, past).reshape(n, hp.q_dim))
+        attended = attention(q, k, v, causal(n)) if cache is None else cache.attend(layer, q, k, v)
+        x = x + project(MODEL_TENSOR.ATTN_OUT, attended.reshape(n, hp.q_dim))
 
         h = rms_norm(x, w(tensor_name(MODEL_TENSOR.FFN_NORM, layer)), hp.rms_eps)
         gate, up = project(MODEL_TENSOR.FFN_GATE, h), project(MODEL_TENSOR.FFN_UP, h)
@@ -145,15 +134,19 @@ def rotate(x: np.ndarray, angles: np.ndarray, style: RopeStyle) -> np.ndarray:
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int) -> np.ndarray:
-    """Causal grouped-query attention of ``n`` new queries over ``past + n`` keys; ``(n, heads, d)`` out."""
+def causal(n: int, past: int = 0) -> np.ndarray:
+    """Which of ``past + n`` keys each of ``n`` new queries sees: those at its position or before."""
+    return np.arange(past + n)[None, :] <= past + np.arange(n)[:, None]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Grouped-query attention of ``n`` queries over the keys ``visible[i]`` lets query ``i`` see; ``(n, heads, d)``."""
     n, n_head, d = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)  # (kv head, group, n, d)
     scores = qg @ k.transpose(1, 2, 0)[:, None] / math.sqrt(d)  # (kv head, group, n, past + n)
-    query_pos = past + np.arange(n)[:, None]
-    scores = np.where(np.arange(k.shape[0])[None, :] <= query_pos, scores, -np.inf)
+    scores = np.where(visible, scores, -np.inf)
     probs = softmax(scores)
     out = probs @ v.transpose(1, 0, 2)[:, None]  # (kv head, group, n, d)
     return out.transpose(2, 0, 1, 3).reshape(n, n_head, d)

@@ -25,7 +25,7 @@ from typing import Any
 
 from edgeinfer import Engine
 from edgeinfer.models.catalog import DEFAULT_MODEL
-from edgeinfer.system import default_threads
+from edgeinfer.system import thread_count
 
 SIZES = (16, 32, 64, 128, 256, 512)
 TEXT = (
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    threads = args.threads or default_threads()
+    threads = thread_count(args.threads)
 
     engines = {size: Engine(args.model, kv_budget="2048tok", threads=threads, batch_size=size) for size in SIZES}
     try:

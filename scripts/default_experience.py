@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT)]
 from edgeinfer import Engine, SamplingParams  # noqa: E402
 from edgeinfer.models.catalog import DEFAULT_MODEL  # noqa: E402
 from edgeinfer.routing.calibration import is_correct, load_questions  # noqa: E402
-from edgeinfer.system import default_threads  # noqa: E402
+from edgeinfer.system import thread_count  # noqa: E402
 
 QUESTIONS = ROOT / "scripts" / "data" / "everyday_questions.jsonl"
 SEEDS = (1, 2, 3, 4, 5)
@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     questions = load_questions(QUESTIONS)
     rows = []
-    with Engine(args.model, kv_budget="1024tok", threads=args.threads or default_threads()) as engine:
+    with Engine(args.model, kv_budget="1024tok", threads=thread_count(args.threads)) as engine:
         for system_name, system in SYSTEMS.items():
             for sampling_name, params in SAMPLING.items():
                 seeds = SEEDS[:1] if params.temperature == 0 else SEEDS

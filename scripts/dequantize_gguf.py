@@ -20,7 +20,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import load_model_info
-from edgeinfer.models.reference import gguf_weights
+from edgeinfer.models.tensors import open_tensors
 
 FILE_TYPES = {"f32": (np.float32, LlamaFileType.ALL_F32), "f16": (np.float16, LlamaFileType.MOSTLY_F16)}
 
@@ -52,13 +52,13 @@ def main() -> None:
     args = parser.parse_args()
     dtype, file_type = FILE_TYPES[args.type]
     info = load_model_info(resolve_model(args.model))
-    weights = gguf_weights(info)
     partial = args.output.with_name(args.output.name + ".partial")
     writer = GGUFWriter(partial, info.architecture)
     copy_metadata(GGUFReader(info.path), writer, file_type)
-    for tensor in info.tensors:
-        data = weights[tensor.name]
-        writer.add_tensor(tensor.name, data if data.ndim == 1 else data.astype(dtype))  # norms stay F32
+    with open_tensors(info) as tensors:
+        for name in tensors:
+            data = tensors.dequantize(name)
+            writer.add_tensor(name, data if data.ndim == 1 else data.astype(dtype))  # norms stay F32
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -30,8 +30,8 @@ from edgeinfer.converters.vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 from edgeinfer.errors import ConversionError, EdgeInferError
 from edgeinfer.models.arch import HParams
 from edgeinfer.models.catalog import resolve_model
-from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.models.reference import gguf_tensor
+from edgeinfer.models.info import load_model_info
+from edgeinfer.models.tensors import GGUFTensors, open_tensors
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 LAYER_NAMES = {
@@ -101,14 +101,13 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{LAYER_NAMES[rest]}"
 
 
-def hf_weights(info: ModelInfo) -> tuple[dict[str, tuple[int, ...]], Callable[[str], np.ndarray]]:
+def hf_weights(hp: HParams, tensors: GGUFTensors) -> tuple[dict[str, tuple[int, ...]], Callable[[str], np.ndarray]]:
     """HF tensor shapes, and a function that dequantizes one tensor by HF name, in HF layout."""
-    hp = info.hparams
-    by_hf_name = {hf_name(t.name): t for t in info.tensors}
-    shapes = {name: tuple(reversed(t.shape)) for name, t in sorted(by_hf_name.items())}
+    by_hf_name = {hf_name(t.name): t for t in tensors.values()}
+    shapes = {name: t.numpy_shape for name, t in sorted(by_hf_name.items())}
 
     def tensor(name: str) -> np.ndarray:
-        w = gguf_tensor(info, by_hf_name[name])
+        w = tensors.dequantize(by_hf_name[name].name)
         if hp.arch.permute_qk and name.endswith("q_proj.weight"):
             return unpermute_qk(w, hp.n_head)
         if hp.arch.permute_qk and name.endswith("k_proj.weight"):
@@ -276,10 +275,10 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: Path, dtype: str = "f32") -> None
     special_ids = {
         f"{role}_token_id": meta[key] for role, key in SPECIAL_TOKEN_IDS.items() if key in meta and role != "unk"
     }
-    shapes, tensor = hf_weights(info)  # before any file, so an unknown tensor stops it early
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out_dir / "model.safetensors", shapes, dtype, tensor)
+    with open_tensors(info) as tensors:
+        shapes, tensor = hf_weights(hp, tensors)  # before any file, so an unknown tensor stops it early
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_safetensors(out_dir / "model.safetensors", shapes, dtype, tensor)
     write_text(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True))
     write_json(out_dir / "tokenizer_config.json", tokenizer_config(meta, tokenizer, hp))
     write_json(out_dir / "generation_config.json", special_ids)

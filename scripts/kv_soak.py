@@ -27,7 +27,7 @@ from edgeinfer import Engine
 from edgeinfer.errors import ContextFull
 from edgeinfer.kv import POLICIES
 from edgeinfer.models.catalog import DEFAULT_MODEL
-from edgeinfer.system import default_threads
+from edgeinfer.system import thread_count
 
 PROMPT = "Here is a long story about a lighthouse keeper and the sea. Chapter one."
 SAMPLE_EVERY = 500
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
-    threads = args.threads or default_threads()
+    threads = thread_count(args.threads)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or not set(policies) <= set(POLICIES):
         ap.error(f"--policies takes a comma-separated subset of {','.join(POLICIES)}")

@@ -25,7 +25,7 @@ import llama_cpp
 
 from edgeinfer.errors import BackendError, EdgeInferError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.system import default_threads
+from edgeinfer.system import thread_count
 
 # Every file type this llama.cpp knows, by the name llama-quantize uses (Q4_K_M, Q8_0, F16...).
 FILE_TYPES = {
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("src", type=Path, help="an F32/F16/BF16 GGUF")
     parser.add_argument("dst", type=Path)
     parser.add_argument("--type", required=True, help="llama.cpp's file type: Q4_K_M, Q3_K_M, Q8_0...")
-    parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--threads", type=int, default=thread_count())
     args = parser.parse_args()
     try:
         quantize_with_llamacpp(args.src, args.dst, args.type, args.threads)

@@ -19,6 +19,7 @@ import argparse
 import numpy as np
 
 from edgeinfer import Engine
+from edgeinfer.backends.base import Span
 from edgeinfer.evaluate import log_softmax
 from edgeinfer.models.catalog import DEFAULT_MODEL
 
@@ -48,7 +49,7 @@ def main() -> None:
         with open(args.text, encoding="utf-8") as f:
             tokens = e.tokenize(f.read())[args.skip : args.skip + args.tokens]
         batched = e.logits(tokens)
-        one_by_one = np.stack([e.backend.eval([t], i).copy() for i, t in enumerate(tokens)])
+        one_by_one = np.stack([e.backend.eval([Span(0, i, [t])])[0].copy() for i, t in enumerate(tokens)])
     with Engine(args.model, backend="reference", kv_budget=budget, kv_type=args.kv_type) as e:
         reference = e.logits(tokens)
     print(f"{args.model}: {len(tokens)} tokens of {args.text}, KV cache {args.kv_type}")

@@ -56,7 +56,7 @@ from edgeinfer.routing.calibration import (  # noqa: E402
     share_to_recover,
     threshold_for_share,
 )
-from edgeinfer.routing.router import generation_signals  # noqa: E402
+from edgeinfer.routing.router import assess, generation_signals  # noqa: E402
 from edgeinfer.routing.signals import SCORED, SIGNALS, WEIGHTS, escalation_score, task_signals  # noqa: E402
 
 from openai_server import OpenAIServer  # noqa: E402
@@ -117,7 +117,8 @@ def messages_for(question: str) -> list[Message]:
 def assess_all(router: Router, questions: list, max_tokens: int) -> list[dict]:
     records = []
     for i, q in enumerate(questions, 1):
-        found = router.assess(messages_for(q.question), temperature=0, max_tokens=max_tokens)
+        messages = messages_for(q.question)
+        found = assess(router.local, messages, policy=router.policy, temperature=0, max_tokens=max_tokens)
         records.append(
             {
                 "question": q.question,

@@ -74,3 +74,16 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def evaluate(backend, tokens, start, *, seq=0, all_logits=False) -> np.ndarray:
+    """One sequence's logits through the backend contract (sequence 0 unless told)."""
+    from edgeinfer.backends.base import Span
+
+    return backend.eval([Span(seq, start, list(tokens), all_logits=all_logits)])[0]
+
+
+def active_sequence(engine) -> int:
+    """The KV sequence the engine's last call ran in."""
+    states = engine._cache.sequences
+    return max(range(len(states)), key=lambda s: states[s].used_at)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgeinfer.bench import exact_prompt
+from edgeinfer.bench.runner import exact_prompt
 from edgeinfer.cli import cli
 
 TINY = ["--prompt-tokens", "16", "--gen-tokens", "8", "--runs", "2", "--threads", "1"]
@@ -48,7 +48,7 @@ def test_two_configurations_side_by_side_as_json(runner, model_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["prompt_tokens"], report["gen_tokens"], report["runs"]) == (16, 8, 2)
-    assert report["interleaved"] is True
+    assert report["interleaved"] is True and (report["device"], report["gpu_layers"]) == ("cpu", 0)
     first, second = report["configs"]
     assert first["model"] == "smollm2-135m" and second["model"] == str(model_path)
     assert first["path"] == second["path"] == str(model_path)
@@ -116,6 +116,8 @@ def test_a_worker_that_fails_is_one_line(runner, model_path, tmp_path):
         (["bench", "/no/such/model.gguf"], "model file not found"),
         (["bench", "--prompt-tokens", "9000"], "exceed its 8192-token context"),
         (["bench", "--threads", "0"], "threads must be at least 1"),
+        (["bench", "--device", "nowhere"], "has no device 'nowhere' here; choose one of cpu"),
+        (["bench", "--gpu-layers", "4"], "--gpu-layers needs a GPU device (--device)"),
     ],
 )
 def test_bad_input_is_one_line_before_any_worker_starts(runner, args, needle):

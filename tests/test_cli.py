@@ -66,6 +66,9 @@ def test_run_reads_the_prompt_from_stdin(runner):
         (["run", "hi", "--temperature", "-1"], "temperature must be"),
         (["run", "hi", "--threads", "0"], "threads must be"),
         (["run", "hi", "--backend", "cuda"], "unknown backend"),
+        (["run", "hi", "--device", "nowhere"], "has no device 'nowhere' here; choose one of cpu"),
+        (["run", "hi", "--gpu-layers", "4"], "--gpu-layers needs a GPU device"),
+        (["run", "hi", "--kv-type", "q8_0", "--backend", "reference"], "KV type 'q8_0' is not supported"),
         (["run", "   "], "the prompt is empty"),
         (["info", "/no/such.gguf"], "model file not found"),
     ],
@@ -95,10 +98,13 @@ def test_info_reports_machine_and_model(runner, model_path):
         "KV heads",
         "8,192 tokens",
         "Q4_1 x210",
+        "backends:      llamacpp: supports it (auto's choice)",
     ):
         assert needle in result.stdout
     report = json.loads(runner.invoke(cli, ["info", "smollm2-135m", "--json"]).stdout)
     assert report["model"]["kv_bytes_per_token_f16"] == 23040 and report["cores"] >= 1
+    assert set(report["model"]["backends"]) == set(report["backends"]) >= {"llamacpp", "reference"}
+    assert report["model"]["backends"]["llamacpp"] == "available"
 
 
 def test_list_shows_the_default_model_on_disk(runner):

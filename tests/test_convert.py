@@ -160,6 +160,8 @@ def test_cli_convert_prints_a_table_and_json(tmp_path, wide_hf):
     assert result.exit_code == 1 and "--calib" in result.output
     result = CliRunner().invoke(cli, ["convert", str(wide_hf), "-o", str(out), "--target-size", "lots"])
     assert result.exit_code == 1 and "'80MB'" in result.output
+    result = CliRunner().invoke(cli, ["convert", str(wide_hf), "-o", str(out), "--target-size", "512tok"])
+    assert result.exit_code == 1 and "--target-size '512tok' counts tokens, not bytes" in result.stderr
     type_option = next(p for p in cli.commands["convert"].params if p.name == "qtype")
     assert list(type_option.type.choices) == list(UNIFORM_TYPES)  # the CLI offers what the converter does
 

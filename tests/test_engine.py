@@ -13,7 +13,7 @@ import pytest
 
 from edgeinfer import ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
 
-from support import JAPAN, MIN_MARGIN, SYSTEM, greedy_margins
+from support import JAPAN, MIN_MARGIN, SYSTEM, active_sequence, evaluate, greedy_margins
 
 
 def test_japan_is_answered_with_tokyo_by_a_wide_margin(engine):
@@ -210,10 +210,10 @@ def test_sinks_cache_predicts_like_a_fresh_prefill_of_what_it_kept(small_engines
     engine.generate("In the beginning", max_tokens=700, ignore_eos=True, seed=5)
     kept = engine.cached_tokens
     probe = engine.tokenizer.encode(" and", add_special=False)
-    shifted = engine.backend.eval(probe, len(kept)).astype(np.float64)
+    shifted = evaluate(engine.backend, probe, len(kept), seq=active_sequence(engine)).astype(np.float64)
     engine.reset()
     with Engine(model_path, kv_budget="1024tok", threads=2) as fresh:
-        reference = fresh.backend.eval(kept + probe, 0).astype(np.float64)
+        reference = evaluate(fresh.backend, kept + probe, 0).astype(np.float64)
     p, q = _softmax(shifted), _softmax(reference)
     assert int(shifted.argmax()) == int(reference.argmax())
     assert float(np.sum(q * np.log(q / p))) < 0.1
@@ -306,13 +306,13 @@ def test_a_closed_engine_refuses_work(model_path):
 def test_all_logits_rows_match_the_last_row(engine):
     engine.reset()
     ids = engine.tokenize("The capital of France is")
-    rows = engine.backend.eval(ids, 0, all_logits=True)
+    rows = evaluate(engine.backend, ids, 0, all_logits=True)
     assert rows.shape == (len(ids), engine.backend.n_vocab)
-    engine.backend.truncate(0)
-    last = engine.backend.eval(ids, 0)
+    engine.backend.truncate(0, 0)
+    last = evaluate(engine.backend, ids, 0)
     np.testing.assert_allclose(rows[-1], last, rtol=1e-4, atol=1e-3)
     assert engine.tokenizer.decode([int(rows[-1].argmax())]).strip() == "Paris"
-    engine.backend.truncate(0)
+    engine.backend.truncate(0, 0)
 
 
 async def test_async_stream_closes_cleanly_after_the_end_and_when_abandoned(engine):
@@ -418,9 +418,9 @@ def test_a_backend_used_after_its_engine_closed_is_an_error_not_a_crash(model_pa
     backend, tokenizer = engine.backend, engine.tokenizer
     engine.close()
     with pytest.raises(BackendError, match="closed"):
-        backend.eval([1, 2], 0)
+        evaluate(backend, [1, 2], 0)
     with pytest.raises(BackendError, match="closed"):
-        backend.truncate(0)
+        backend.truncate(0, 0)
     with pytest.raises(EdgeInferError, match="closed"):
         tokenizer.piece(5)
     with pytest.raises(EdgeInferError, match="closed"):

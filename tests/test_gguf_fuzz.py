@@ -22,6 +22,8 @@ from edgeinfer import Engine, InvalidModelError
 from edgeinfer.models.arch import expected_tensors
 from edgeinfer.models.info import load_model_info
 
+from support import evaluate
+
 SMALL = dict(n_layer=1, n_embd=64, n_head=2, n_head_kv=1, n_ff=128)
 FUZZ_CASES = 300
 MAX_SECONDS = 2.0
@@ -64,7 +66,7 @@ def test_tiny_models_are_valid_and_generate(tmp_path, arch, tensor_type, tokeniz
     with Engine(path, kv_budget="256tok", threads=1) as engine:
         assert engine.tokenizer.n_vocab == hp.n_vocab
         assert len(engine.tokenizer.encode("<|im_start|>", add_special=False)) == 1  # a control token, whole
-        logits = engine.backend.eval(engine.tokenize("Hi, the wörld €!"), 0)
+        logits = evaluate(engine.backend, engine.tokenize("Hi, the wörld €!"), 0)
         assert np.isfinite(logits).all() and logits.std() > 1e-3
         engine.reset()
         result = engine.chat([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgeinfer import ContextFull, InvalidOptionError, KVBudget, KVPolicy
+from edgeinfer.sizes import format_size, parse_size
 
 SMOLLM2_BYTES_PER_TOKEN = 23040  # 2 x 30 layers x 3 KV heads x 64 head dim x 2 bytes (f16)
 
@@ -29,6 +30,17 @@ def test_bad_budgets_are_one_line_errors(bad):
     with pytest.raises(InvalidOptionError) as info:
         KVBudget.parse(bad)
     assert "\n" not in str(info.value)
+
+
+def test_bytes_have_their_own_parser_which_refuses_tokens():
+    assert parse_size("80MB") == 80_000_000 and parse_size("1.5 GiB") == 3 * 2**29 and parse_size(4096) == 4096
+    assert format_size(64_000_000) == "64.0 MB" and str(KVBudget.parse("64MB")) == "64.0 MB"
+    for bad, needle in [("512tok", "counts tokens, not bytes"), ("0MB", "is zero"), ("lots", "cannot read")]:
+        with pytest.raises(InvalidOptionError, match=needle) as info:
+            parse_size(bad, "--target-size")
+        assert "--target-size" in str(info.value) and "'80MB'" in str(info.value)
+    with pytest.raises(InvalidOptionError, match="cannot read KV budget 'lots'.* or tokens such as '512tok'"):
+        KVBudget.parse("lots")
 
 
 def test_byte_budget_rounds_down_to_whole_blocks_so_the_allocation_never_exceeds_it():

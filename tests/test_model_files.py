@@ -23,7 +23,7 @@ def test_the_real_header(model_path):
     assert (info.architecture, hp.n_layer, hp.n_embd, hp.n_head, hp.n_ff) == ("llama", 30, 576, 9, 1536)
     assert hp.n_head_kv == 3 and hp.head_dim == 64 and hp.n_vocab == 49152 and hp.tied_embeddings
     assert hp.rope_base == 100000 and hp.arch.rope_style == "norm" and not hp.arch.qkv_bias
-    assert hp.n_ctx_train == 8192 and info.kv_bytes_per_token() == 23040
+    assert hp.n_ctx_train == 8192 and info.kv_values_per_token == 11520  # 2 x 30 layers x 3 KV heads x 64
     assert info.tensor_types == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
 
 

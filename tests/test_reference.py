@@ -11,7 +11,7 @@ from edgeinfer import Engine
 from edgeinfer.models.arch import layer_tensors
 from edgeinfer.models.reference import Transformer
 
-from support import JAPAN
+from support import JAPAN, evaluate
 
 TEXT = (Path(__file__).parent / "data" / "lighthouse.txt").read_text()
 
@@ -43,7 +43,7 @@ def test_agrees_with_llamacpp_as_closely_as_llamacpp_agrees_with_itself(engine, 
     # llama.cpp rounds activations to 8 bits for Q4_1 weights, differently in batched and
     # one-token evaluation: its two paths set the scale of disagreement for this file.
     engine.reset()
-    one_by_one = np.stack([engine.backend.eval([t], i).copy() for i, t in enumerate(tokens)])
+    one_by_one = np.stack([evaluate(engine.backend, [t], i).copy() for i, t in enumerate(tokens)])
     engine.reset()
     ours = reference.logits(tokens)
     assert np.isfinite(ours).all()
@@ -61,10 +61,10 @@ def test_one_token_at_a_time_equals_one_batch(reference):
     backend = reference.backend
     tokens = reference.tokenize(TEXT)[:40]
     reference.reset()
-    batch = backend.eval(tokens, 0, all_logits=True)
-    backend.truncate(0)
-    stepped = np.stack([backend.eval([t], i) for i, t in enumerate(tokens)])
-    backend.truncate(0)
+    batch = evaluate(backend, tokens, 0, all_logits=True)
+    backend.truncate(0, 0)
+    stepped = np.stack([evaluate(backend, [t], i) for i, t in enumerate(tokens)])
+    backend.truncate(0, 0)
     assert stepped.dtype == np.float32
     assert kld(batch, stepped) < 1e-6 and top1(batch, stepped) == 1.0
 
@@ -73,12 +73,12 @@ def test_truncate_forgets_what_a_fresh_evaluation_never_saw(reference):
     backend = reference.backend
     tokens = reference.tokenize(TEXT)[:50]
     reference.reset()
-    backend.eval(tokens[:50], 0)
-    backend.truncate(30)
-    after_truncate = backend.eval(tokens[30:40], 30, all_logits=True)
-    backend.truncate(0)
-    fresh = backend.eval(tokens[:40], 0, all_logits=True)[30:]
-    backend.truncate(0)
+    evaluate(backend, tokens[:50], 0)
+    backend.truncate(0, 30)
+    after_truncate = evaluate(backend, tokens[30:40], 30, all_logits=True)
+    backend.truncate(0, 0)
+    fresh = evaluate(backend, tokens[:40], 0, all_logits=True)[30:]
+    backend.truncate(0, 0)
     assert kld(fresh, after_truncate) < 1e-6 and top1(fresh, after_truncate) == 1.0
 
 
@@ -87,9 +87,9 @@ def test_evict_shifts_the_cache_as_llamacpp_does(engine, reference):
     outputs = []
     for e in (engine, reference):
         e.reset()
-        e.backend.eval(tokens[:60], 0)
-        e.backend.evict(4, 24)  # drop positions 4..23; 24..59 move down to 4..39, keys re-rotated
-        outputs.append(np.array(e.backend.eval(tokens[60:80], 40, all_logits=True)))
+        evaluate(e.backend, tokens[:60], 0)
+        e.backend.evict(0, 4, 24)  # drop positions 4..23; 24..59 move down to 4..39, keys re-rotated
+        outputs.append(np.array(evaluate(e.backend, tokens[60:80], 40, all_logits=True)))
         e.reset()
     # Keys left at their old rotation give KLD 1.6 and top-1 35%; llama.cpp and the reference
     # agree to 0.005 and 85% (its 8-bit activations add noise, see the first test).

@@ -7,7 +7,9 @@ import pytest
 from gguf import GGUFValue, GGUFValueType
 from tiny_model import write_tiny_gguf
 
-from edgeinfer import Engine, InvalidOptionError
+from edgeinfer import BackendUnavailableError, Engine
+
+from support import evaluate
 
 
 @pytest.mark.parametrize(
@@ -26,7 +28,7 @@ def test_reference_equals_llamacpp(tmp_path, arch, options):
         with Engine(path, backend=backend, kv_budget="256tok", kv_type="f32", threads=2) as engine:
             logits[backend] = engine.logits(tokens).astype(np.float64)
             # Decoding one token at a time goes through the cache on both sides too.
-            stepped = [engine.backend.eval([t], i).copy() for i, t in enumerate(tokens[:8])]
+            stepped = [evaluate(engine.backend, [t], i).copy() for i, t in enumerate(tokens[:8])]
             logits[backend + " decode"] = np.stack(stepped)
     ours, theirs = logits["reference"], logits["llamacpp"]
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-4
@@ -38,5 +40,5 @@ def test_reference_equals_llamacpp(tmp_path, arch, options):
 def test_rope_scaling_it_does_not_implement_is_refused_in_one_line(tmp_path):
     scaled = {"llama.rope.scaling.type": GGUFValue("linear", GGUFValueType.STRING)}
     path = write_tiny_gguf(tmp_path / "scaled.gguf", metadata=scaled)
-    with pytest.raises(InvalidOptionError, match="scales RoPE for a longer context.*use --backend llamacpp"):
+    with pytest.raises(BackendUnavailableError, match="scales RoPE for a longer context.*use --backend auto"):
         Engine(path, backend="reference", kv_budget="64tok")

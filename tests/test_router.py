@@ -32,7 +32,7 @@ from edgeinfer.routing.signals import (
 from edgeinfer.sampling import SamplingParams
 
 from openai_server import OpenAIServer
-from support import JAPAN, SYSTEM
+from support import JAPAN, SYSTEM, evaluate
 
 CLOUD_ANSWER = "The cloud says it is the city once called Edo, renamed in 1868."
 KEY = "sk-router-test-0123456789abcdef"
@@ -565,7 +565,7 @@ def test_engine_log_probs_match_a_fresh_full_evaluation(engine):
     tokens = engine.tokenize(JAPAN)
     assert len(scored) == len(tokens) - 5
     engine.reset()
-    rows = engine.backend.eval(tokens, 0, all_logits=True).astype(np.float64)
+    rows = evaluate(engine.backend, tokens, 0, all_logits=True).astype(np.float64)
     engine.reset()
     reference = [rows[i - 1][tokens[i]] - np.log(np.exp(rows[i - 1]).sum()) for i in range(5, len(tokens))]
     assert np.allclose(engine.prompt_logprobs(JAPAN, start=5), reference, atol=1e-3)
@@ -589,9 +589,9 @@ def test_engine_token_confidence_matches_the_logits_each_token_was_drawn_from(en
     # batched and single-token kernels round differently) and score them independently.
     prompt = engine.tokenize(JAPAN)
     engine.reset()
-    rows = [np.array(engine.backend.eval(prompt, 0))]  # copies: the backend reuses its logits buffer
+    rows = [np.array(evaluate(engine.backend, prompt, 0))]  # copies: the backend reuses its logits buffer
     for position, token in enumerate(result.tokens[:-1], len(prompt)):
-        rows.append(np.array(engine.backend.eval((token,), position)))
+        rows.append(np.array(evaluate(engine.backend, (token,), position)))
     engine.reset()
     logits = np.array(rows, dtype=np.float64)
     shifted = logits - logits.max(axis=1, keepdims=True)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from edgeinfer import InvalidOptionError
-from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.sampling import Sampler, SamplingParams, _top_k
 from edgeinfer.textstream import TextStream
 
 RNG = np.random.default_rng(0)
@@ -59,6 +62,41 @@ def test_seed_reproduces_and_differs():
     assert draws(top_k=0, top_p=1, min_p=0, temperature=1.0, seed=1) != draws(
         top_k=0, top_p=1, min_p=0, temperature=1.0, seed=2
     )
+
+
+def chain_probabilities(logits: np.ndarray, params: SamplingParams) -> dict[int, float]:
+    """The default chain's distribution, straight from its definition, in float64."""
+    order = np.argsort(-logits, kind="stable")[: params.top_k]
+    probs = np.exp((logits[order].astype(np.float64) - logits[order[0]]) / params.temperature)
+    probs /= probs.sum()
+    keep = min(int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1, int((probs >= params.min_p * probs[0]).sum()))
+    return dict(zip(order[:keep].tolist(), (probs[:keep] / probs[:keep].sum()).tolist(), strict=True))
+
+
+def test_the_default_chain_draws_each_token_with_its_exact_probability_on_a_full_vocabulary():
+    logits = RNG.normal(size=49_152).astype(np.float32)
+    favourites = RNG.choice(len(logits), size=6, replace=False)
+    logits[favourites] = [8.0, 7.5, 7.0, 6.5, 6.0, 4.0]  # the last falls to min-p, the tail to top-p
+    params = SamplingParams(seed=3)
+    expected = chain_probabilities(logits, params)
+    sampler = Sampler(params)
+    n = 20_000
+    counts = Counter(sampler(logits) for _ in range(n))
+    assert set(counts) <= set(expected)
+    for token, p in expected.items():
+        assert abs(counts[token] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-3
+
+
+@pytest.mark.parametrize("n", [2048, 32_000, 49_152, 151_936])
+def test_top_k_finds_the_k_best_however_they_lie(n):
+    for k in (1, 40, 127):
+        clustered = RNG.normal(size=n).astype(np.float32)
+        clustered[: 3 * k] += 10  # the best all in a few of the groups top-k bounds them with
+        tied = np.round(RNG.normal(size=n) * 2).astype(np.float32)
+        masked = RNG.normal(size=n).astype(np.float32)
+        masked[RNG.choice(n, size=n - k // 2, replace=False)] = -np.inf  # fewer finite logits than k
+        for logits in (clustered, tied, masked):
+            np.testing.assert_array_equal(_top_k(logits, k), np.argsort(-logits, kind="stable")[:k])
 
 
 def test_split_multibyte_characters_wait_for_their_last_byte():

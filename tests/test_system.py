@@ -1,26 +1,41 @@
-"""Refusing early: the native-build probe, the memory estimate, and thread counts."""
+"""Refusing early: the native-build probe, the memory check, and thread counts; and the facts about
+this process that several parts share (peak RSS, llama.cpp's libraries, a child's environment, atomic writes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
+import psutil
 import pytest
 
-from edgeinfer import BackendUnavailableError, Engine, InsufficientMemoryError
+import edgeinfer
+from edgeinfer import BackendUnavailableError, Engine, InsufficientMemoryError, InvalidOptionError
+from edgeinfer.backends import backend_class
+from edgeinfer.backends.base import BackendOptions
 from edgeinfer.buildflags import contrast_cmake_args, cpu_flags, rebuild_command, safe_cmake_args
+from edgeinfer.files import atomic_path, write_atomic
 from edgeinfer.models.info import load_model_info
 from edgeinfer.system import (
     INTERESTING_CPU_FLAGS,
+    MemoryNeed,
     available_ram,
     cache_dir,
     check_memory,
+    child_env,
     cpu_features,
-    default_threads,
-    estimate_memory,
+    llama_cpp_libraries,
+    peak_rss,
     probe_native_build,
+    thread_count,
     usable_cores,
 )
+
+MIB = 2**20
 
 
 def test_probe_passes_on_this_build_and_is_remembered(model_path):
@@ -73,20 +88,69 @@ def test_contrast_build_is_one_instruction_set_tier_below_the_cpu():
             assert flag in here
 
 
-def test_memory_estimate_and_refusal(model_path):
-    info = load_model_info(model_path)
-    estimate = estimate_memory(info, kv_tokens=512, kv_type="f16", batch_size=512)
-    assert estimate.weights == info.file_size and estimate.kv == 512 * 23040
-    check_memory(estimate, force=False)  # 200 MB fits here
-    huge = type(estimate)(weights=available_ram() * 2, kv=estimate.kv, overhead=estimate.overhead)
+def test_memory_check_refuses_what_fits_neither_ram_nor_the_device(model_path):
+    need = backend_class("llamacpp").memory(load_model_info(model_path), BackendOptions(kv_tokens=512))
+    assert need.weights == model_path.stat().st_size and need.kv == 512 * 23040  # the file, mapped; f16 KV
+    check_memory(need, force=False)  # 200 MB fits here
+    huge = dataclasses.replace(need, weights=available_ram() * 2)
     with pytest.raises(InsufficientMemoryError) as exc:
         check_memory(huge, force=False)
-    assert "--force" in str(exc.value) and "--kv-budget" in str(exc.value)
+    assert "--force" in str(exc.value) and "--kv-budget" in str(exc.value) and "\n" not in str(exc.value)
     check_memory(huge, force=True)
+    # Layers on a GPU count against its memory, not the host's.
+    offloaded = MemoryNeed(
+        weights=0, kv=0, overhead=96 * MIB, device="gpu0", device_bytes=2048 * MIB, device_free=1024 * MIB
+    )
+    with pytest.raises(InsufficientMemoryError) as exc:
+        check_memory(offloaded, force=False)
+    assert "gpu0" in str(exc.value) and "--gpu-layers" in str(exc.value) and "\n" not in str(exc.value)
+    check_memory(dataclasses.replace(offloaded, device_free=4096 * MIB), force=False)
+    check_memory(offloaded, force=True)
+
+
+def test_one_rule_counts_threads():
+    assert 1 <= thread_count() <= usable_cores()
+    assert thread_count(10_000) == usable_cores() and thread_count(1) == 1  # asked for: capped at the cores
+    assert thread_count(spinning=False) == usable_cores()  # threads that sleep may have every core
+    assert thread_count(spare=10_000) == 1
+    with pytest.raises(InvalidOptionError, match="threads must be at least 1, got 0"):
+        thread_count(0)
+
+
+def test_a_child_imports_this_edgeinfer_and_reports_its_own_peak_rss(tmp_path):
+    code = (
+        "import edgeinfer, numpy; from edgeinfer.system import peak_rss; "
+        "a = numpy.ones(2**24); print(edgeinfer.__file__, peak_rss())"
+    )
+    # Elsewhere than the checkout, so only PYTHONPATH can lead the child to it.
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert Path(out[0]) == Path(edgeinfer.__file__)
+    assert 128 * MIB <= int(out[1]) < 512 * MIB  # the 128 MiB it touched, and none of the parent's peak
+    assert peak_rss() >= psutil.Process().memory_info().rss
+
+
+def test_llama_cpp_libraries_are_found_once_for_every_user():
+    from edgeinfer.converters.quantize import _ggml
+
+    libraries = llama_cpp_libraries()
+    assert libraries and any(lib.name.startswith("libggml-base") for lib in libraries)
+    assert _ggml() is not None  # the quantizer loads ggml from that list
+
+
+def test_an_atomic_write_gives_the_whole_new_file_or_leaves_the_old(tmp_path):
+    target = tmp_path / "state.json"
+    write_atomic(target, "old")
+    write_atomic(target, "new")
+    assert target.read_text() == "new" and os.listdir(tmp_path) == ["state.json"]
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half of a new")
+        raise RuntimeError("the writer failed")
+    assert target.read_text() == "new" and os.listdir(tmp_path) == ["state.json"]
 
 
 def test_machine_facts():
-    assert 1 <= default_threads() <= usable_cores()
     features = cpu_features()
     assert features == [f for f in INTERESTING_CPU_FLAGS if f in set(features)]  # fixed order, no duplicates
     assert set(features) <= cpu_flags()

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from edgeinfer import EdgeInferError, Message
+from edgeinfer.files import write_atomic
 from edgeinfer.tui.settings import ChatSettings
 
 FORMAT = "edgeinfer-chat"
@@ -46,7 +46,7 @@ def save_transcript(path: str | os.PathLike[str], messages: Sequence[Message], s
     else:
         raise TranscriptError(f"cannot save as {path.name!r}: name the file .md (Markdown) or .json (to /load later)")
     try:
-        _write_atomic(path, text)
+        write_atomic(path, text)
     except OSError as exc:
         raise TranscriptError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
@@ -86,16 +86,3 @@ def _markdown(messages: Sequence[Message], settings: ChatSettings, saved_at: str
     for m in messages:
         lines += ["", f"## {_HEADINGS[m['role']]}", "", m["content"].strip()]
     return "\n".join(lines) + "\n"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A crash or a full disk mid-write leaves the old file whole, never half a new one.
-    # open(..., "x") rather than mkstemp: the file gets the user's umask, not mode 600.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import email.utils
 import json
 import os
@@ -53,7 +52,7 @@ import httpcore
 import httpx
 
 from edgeinfer.errors import CloudError, InvalidOptionError
-from edgeinfer.sampling import SamplingParams
+from edgeinfer.sampling import SamplingParams, sampling_params
 
 _RETRY_STATUS = frozenset({408, 409, 429})
 _NOT_RETRIED_KINDS = frozenset({"auth", "quota", "bad_request", "protocol", "circuit_open", "cancelled"})
@@ -759,19 +758,6 @@ def _body_kind(response: httpx.Response) -> Literal["json", "events"]:
     raise CloudError(
         f"the cloud answered {kind}, not an event stream or JSON: check the cloud URL (--cloud-url)", "protocol"
     )
-
-
-def sampling_params(params: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:
-    """``params`` with keyword ``options`` applied, as ``Engine.stream`` takes them."""
-    if params is not None and not isinstance(params, SamplingParams):
-        raise InvalidOptionError(f"params must be a SamplingParams, got {type(params).__name__}")
-    params = params or SamplingParams()
-    unknown = set(options) - {f.name for f in dataclasses.fields(SamplingParams)}
-    if unknown:
-        raise InvalidOptionError(
-            f"unknown sampling option {', '.join(sorted(unknown))}; see SamplingParams for the options"
-        )
-    return dataclasses.replace(params, **options) if options else params
 
 
 def _message(payload: dict[str, Any]) -> tuple[str, str]:

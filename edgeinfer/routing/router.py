@@ -46,7 +46,7 @@ from edgeinfer.errors import (
     InvalidOptionError,
 )
 from edgeinfer.metrics import Metrics
-from edgeinfer.routing.cloud import Cancellation, CloudModel, CloudStream, Usage, sampling_params
+from edgeinfer.routing.cloud import Cancellation, CloudModel, CloudStream, Usage
 from edgeinfer.routing.privacy import PrivacyRule, PrivacyRules
 from edgeinfer.routing.signals import (
     SIGNALS,
@@ -61,7 +61,7 @@ from edgeinfer.routing.signals import (
     top_signals,
     uncertainty_signal,
 )
-from edgeinfer.sampling import SamplingParams
+from edgeinfer.sampling import SamplingParams, sampling_params
 from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, drain
 
 Mode = Literal["auto", "local", "cloud"]
@@ -273,10 +273,6 @@ class Router:
     def astream(self, messages: Prompt, params: SamplingParams | None = None, **options: Any) -> AsyncStream:
         """Async ``stream``: ``async for piece in router.astream(...)``."""
         return AsyncStream(self.stream(messages, params, **options))
-
-    def assess(self, messages: Prompt, params: SamplingParams | None = None, **options: Any) -> Assessment:
-        """Answer locally, in full, and compute the escalation score ``auto`` would give (for calibration)."""
-        return assess(self.local, messages, params, policy=self.policy, **options)
 
     def cloud_state(self) -> str | None:
         """Why the cloud cannot be called now (cooling down, budget used up), or None if it can."""
@@ -644,18 +640,16 @@ def take_probe(stream: Stream, k: int) -> list[str]:
 def sample_answers(engine: Engine, messages: list[Message], policy: Policy, call: _Call | None = None) -> list[str]:
     """The ``policy.samples`` short answers ``disagreement`` compares with the probe (seeded: reproducible).
 
-    Cancelling ``call`` stops the sample in progress after its current token, and no more are drawn.
+    They are decoded together, as parallel sequences sharing the prompt's KV. Cancelling ``call``
+    stops them after their current token.
     """
-    answers = []
-    for seed in range(policy.samples):
-        if call is not None and call.cancelled:
-            break
-        params = SamplingParams(temperature=0.7, max_tokens=policy.sample_tokens, seed=seed)
-        with engine.stream(messages, params) as stream:
-            if call is not None:
-                call.run_locally(stream)
-            answers.append(drain(stream).text)
-    return answers
+    if not policy.samples:
+        return []
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=policy.sample_tokens, seed=seed) for seed in range(policy.samples)
+    ]
+    results = engine.generate_batch(messages, params, cancel=call.cancel_event if call is not None else None)
+    return [result.text for result in results]
 
 
 def generation_signals(logprobs: Sequence[float], entropies: Sequence[float], k: int) -> dict[str, float]:
@@ -702,7 +696,8 @@ def _prepare(
         messages = [{"role": "user", "content": messages}]
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise InvalidOptionError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    return list(messages), sampling_params(params, options)
+    # The local model's confidence in its tokens is what the probe judges.
+    return list(messages), dataclasses.replace(sampling_params(params, options), logprobs=True)
 
 
 def _routed(stream: Stream) -> RoutedResult:
