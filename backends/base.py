@@ -18,6 +18,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from edgeinfer.errors import BackendError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.system import MemoryNeed
 
@@ -179,3 +180,21 @@ def compute_bytes(info: ModelInfo, options: BackendOptions) -> int:
     """One batch of activations and the logits buffer, in f32: what a forward pass allocates beside weights and KV."""
     hp = info.hparams
     return 4 * options.batch_size * (hp.n_vocab + 8 * hp.n_embd)
+
+
+def check_spans(spans: Sequence[Span], lengths: Sequence[int]) -> None:
+    """Refuse, in one line, an evaluation the contract forbids: an unknown or repeated sequence, an empty
+    span, or one that does not start where its sequence ends (``lengths``: positions each sequence holds)."""
+    seen = set()
+    for span in spans:
+        if not 0 <= span.seq < len(lengths):
+            raise BackendError(f"sequence {span.seq} does not exist: this cache holds sequences 0..{len(lengths) - 1}")
+        if not span.tokens:
+            raise BackendError("eval needs at least one token per sequence")
+        if span.seq in seen:
+            raise BackendError(f"sequence {span.seq} appears twice in one evaluation")
+        if span.start != lengths[span.seq]:
+            raise BackendError(
+                f"cannot evaluate sequence {span.seq} from position {span.start}: it holds {lengths[span.seq]}"
+            )
+        seen.add(span.seq)

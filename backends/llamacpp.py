@@ -24,7 +24,7 @@ from edgeinfer.errors import BackendError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, llama_cpp_library, probe_native_build
 
-from .base import CPU, BackendOptions, Device, Span, compute_bytes
+from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 
 log = logging.getLogger("edgeinfer.llamacpp")
 
@@ -209,6 +209,13 @@ class LlamaCppBackend:
 
     def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
         """``probe=False`` skips the native-build check; only the probe's own child uses it."""
+        if options.n_seq > options.batch_size:
+            # llama.cpp aborts the process (GGML_ASSERT on n_outputs_max) when one step has more sequences
+            # than a batch has outputs.
+            raise InvalidOptionError(
+                f"llama.cpp needs a batch size of at least the sequence count ({options.n_seq}); "
+                f"raise batch_size or lower sequences (batch_size is {options.batch_size})"
+            )
         if probe:
             probe_native_build(info.path)
         lib = llama_lib()
@@ -280,18 +287,7 @@ class LlamaCppBackend:
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
         lengths = self._lengths
-        seqs = set()
-        for span in spans:
-            self._check_seq(span.seq)
-            if not span.tokens:
-                raise BackendError("eval needs at least one token per sequence")
-            if span.seq in seqs:
-                raise BackendError(f"sequence {span.seq} appears twice in one evaluation")
-            if span.start != lengths[span.seq]:
-                raise BackendError(
-                    f"cannot evaluate sequence {span.seq} from position {span.start}: it holds {lengths[span.seq]}"
-                )
-            seqs.add(span.seq)
+        check_spans(spans, lengths)
         if len(spans) == 1 and len(spans[0].tokens) <= self._batch_size:  # the decode loop's path: no bookkeeping
             span = spans[0]
             self._decode(((span, j) for j in range(len(span.tokens))), len(span.tokens))

@@ -20,7 +20,7 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, gguf_weights
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from .base import CPU, BackendOptions, Device, Span, compute_bytes
+from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 
 
 class ReferenceBackend:
@@ -82,19 +82,7 @@ class ReferenceBackend:
 
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
-        seqs = set()
-        for span in spans:
-            self._check_seq(span.seq)
-            if not span.tokens:
-                raise BackendError("eval needs at least one token per sequence")
-            if span.seq in seqs:
-                raise BackendError(f"sequence {span.seq} appears twice in one evaluation")
-            if span.start != len(self._cells[span.seq]):
-                raise BackendError(
-                    f"cannot evaluate sequence {span.seq} from position {span.start}: "
-                    f"it holds {len(self._cells[span.seq])}"
-                )
-            seqs.add(span.seq)
+        check_spans(spans, [len(cells) for cells in self._cells])
         free = np.flatnonzero(self._users == 0)
         wanted = sum(len(span.tokens) for span in spans)
         if wanted > len(free):

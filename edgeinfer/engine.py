@@ -9,6 +9,7 @@ for piece in engine.stream("Once upon a time", max_tokens=50):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import weakref
@@ -23,6 +24,7 @@ from edgeinfer.backends.base import CPU, DEFAULT_BATCH_SIZE, Backend, BackendOpt
 from edgeinfer.chat import MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
+from edgeinfer.logits import confidence, token_logprobs
 from edgeinfer.metrics import Metrics
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.models.info import ModelInfo, load_model_info
@@ -128,7 +130,7 @@ class Engine:
         self.backend: Backend = backend_cls(self.info, options)
         self.capacity = min(wanted, self.backend.capacity)
         self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
-        self._cache = SequenceCache(self.backend, batch_size)
+        self._cache = SequenceCache(self.backend, batch_size, self.capacity)
         self._calls = 0  # counts calls, to find the least recently used sequence
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -400,9 +402,7 @@ class Engine:
                 state.last_prompt, state.last_logits = list(prompt), np.array(logits)
         prefill_s = perf_counter() - t
         if logits is not None and not np.isfinite(logits).all():
-            raise BackendError(
-                f"{self.model_path.name} produced NaN or infinite logits: its weights are corrupt; re-download it"
-            )
+            raise _corrupt(self.model_path.name)
         seqs = [seq]
         for _ in generations[1:]:
             seqs.append(self._spare_sequence(seqs))
@@ -411,7 +411,7 @@ class Engine:
                 self._cache.share(seq, other, len(prompt))
             m = generation.metrics
             m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = len(prompt), prompt_cut, cached, prefill_s
-            generation.start(other, logits, self._cache.sequences[other])
+            generation.start(other, logits, self._cache.sequences[other], self.model_path.name)
         try:
             yield from self._decode_steps(generations, cancel, start)
         except ContextFull as exc:
@@ -456,7 +456,7 @@ class Engine:
 
     def _make_room(self, running: list[_Generation], n_incoming: int) -> None:
         """Free cells for ``n_incoming`` more: other sequences' first; then, for one generation, the KV policy's."""
-        if self._cache.cells_used() + n_incoming <= self.capacity:
+        if self._cache.has_room(n_incoming):
             return
         self._cache.drop_others([g.seq for g in running], n_incoming)
         free = self.capacity - self._cache.cells_used()
@@ -553,14 +553,16 @@ class _Generation:
         self.chunk = ""
         self.result: Result | None = None
 
-    def start(self, seq: int, logits: np.ndarray | None, state: CachedSequence) -> None:
-        self.seq, self.logits, self.state = seq, logits, state
+    def start(self, seq: int, logits: np.ndarray | None, state: CachedSequence, model_name: str) -> None:
+        self.seq, self.logits, self.state, self.model_name = seq, logits, state, model_name
 
     def sample(self, tokenizer: Tokenizer, start: float) -> int:
         """Draw the next token. Sets ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
         m, params, logits = self.metrics, self.params, self.logits
         t = perf_counter()
         token = self.sampler(logits, self.state.tokens)
+        if not math.isfinite(logits[token]):  # a NaN wins the argmax: one look instead of a pass over the row
+            raise _corrupt(self.model_name)
         if params.logprobs:  # the router's signals, only when asked: a pass over the whole row
             logprob, entropy = confidence(logits, token)
         t_sampled = perf_counter()
@@ -603,6 +605,10 @@ class _Generation:
         )
 
 
+def _corrupt(model_name: str) -> BackendError:
+    return BackendError(f"{model_name} produced NaN or infinite logits: its weights are corrupt; re-download it")
+
+
 def _check_prompt(prompt: object) -> None:
     if not isinstance(prompt, (str, Continuation)) and not (
         isinstance(prompt, Sequence) and not isinstance(prompt, bytes)
@@ -631,18 +637,3 @@ class _EngineLock:
     def __exit__(self, *exc: object) -> None:
         self._engine._owner = None
         self._engine._lock.release()
-
-
-def confidence(logits: np.ndarray, token: int) -> tuple[float, float]:  # TEMP until edgeinfer/logits.py lands
-    below = logits.max() - logits
-    weights = np.exp(-below)
-    total = float(weights.sum(dtype=np.float64))
-    log_total = float(np.log(total))
-    return -float(below[token]) - log_total, float(weights @ below) / total + log_total
-
-
-def token_logprobs(rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:  # TEMP
-    rows = rows.astype(np.float64)
-    top = rows.max(axis=1, keepdims=True)
-    lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
-    return rows[np.arange(len(rows)), tokens] - lse

@@ -47,9 +47,10 @@ class CachedSequence:
 class SequenceCache:
     """The backend's sequences, mirrored; every change to a sequence's KV goes through here."""
 
-    def __init__(self, backend: Backend, batch_size: int) -> None:
+    def __init__(self, backend: Backend, batch_size: int, capacity: int) -> None:
         self.backend = backend
         self.batch_size = batch_size
+        self.capacity = capacity  # the KV budget in cells (the backend may have allocated a few more)
         self.sequences = [CachedSequence() for _ in range(backend.n_seq)]
         self._group_ids = itertools.count()
 
@@ -61,6 +62,11 @@ class SequenceCache:
                 known = spans.get(group)
                 spans[group] = (first, end if known is None else max(known[1], end))
         return sum(end - first for first, end in spans.values())
+
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more cells fit the pool. Cheap when the sequences' lengths alone say so (once per token)."""
+        capacity = self.capacity
+        return sum(len(s.tokens) for s in self.sequences) + n <= capacity or self.cells_used() + n <= capacity
 
     def append(self, seq: int, tokens: Sequence[int], *, exact_chunk: bool = False) -> None:
         """Record ``tokens`` the backend has just evaluated at the end of ``seq``.
@@ -116,7 +122,7 @@ class SequenceCache:
         """Empty sequences not in ``keep``, least recently used first, until ``room`` cells are free or none is left."""
         others = sorted((s for s in range(len(self.sequences)) if s not in keep), key=self._last_use)
         for seq in others:
-            if self.backend.capacity - self.cells_used() >= room:
+            if self.capacity - self.cells_used() >= room:
                 return
             self.forget(seq, 0)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from edgeinfer import Engine
 from edgeinfer.backends.base import Span
-from edgeinfer.evaluate import log_softmax
+from edgeinfer.logits import log_softmax
 from edgeinfer.models.catalog import DEFAULT_MODEL
 
 

@@ -6,7 +6,7 @@ still agree with the reference. ``write_sharp_gguf`` scales the norm weights aft
 place (norm weights are F32 vectors whatever the matrices' type): the attention norms by
 ``ATTN_SCALE`` multiply every attention score by its square, the output norm by ``OUTPUT_SCALE``
 spreads the logits. ``poison`` writes NaN or infinity into the output norm, so every logit is
-NaN.
+NaN; ``poison_token`` makes one token's embedding NaN, so the logits turn NaN once it is generated.
 """
 
 from __future__ import annotations
@@ -38,6 +38,21 @@ def write_sharp_gguf(path: str | Path, *, poison: float | None = None, **tiny: A
     reader.data.flush()
     del reader
     return path
+
+
+def poison_token(path: str | Path, token: int, *, boost: float = 3.0) -> Path:
+    """Make ``token``'s embedding NaN and its output row ``boost`` times larger (an untied F32 model, in place).
+
+    A prompt without ``token`` gives finite logits; if ``token`` already led them, it leads by more,
+    is chosen, and the next evaluation, of it, gives NaN.
+    """
+    reader = GGUFReader(path, "r+")
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors["token_embd.weight"].data[token] = np.nan
+    tensors["output.weight"].data[token] *= boost
+    reader.data.flush()
+    del reader
+    return Path(path)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

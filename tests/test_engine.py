@@ -44,7 +44,7 @@ def test_greedy_output_does_not_depend_on_what_the_cache_held(model_path):
     with Engine(model_path, kv_budget="1024tok", threads=2, batch_size=16) as engine:
 
         def answer(prompt):
-            result = engine.chat(prompt, temperature=0, max_tokens=12, ignore_eos=True)
+            result = engine.chat(prompt, temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
             return result.tokens, result.logprobs, result.metrics.cached_tokens
 
         for i, question in enumerate(QUESTIONS):

@@ -36,7 +36,7 @@ from support import JAPAN, SYSTEM, evaluate
 
 CLOUD_ANSWER = "The cloud says it is the city once called Edo, renamed in 1868."
 KEY = "sk-router-test-0123456789abcdef"
-ANSWER = dict(temperature=0, max_tokens=24)
+ANSWER = dict(temperature=0, max_tokens=24, logprobs=True)
 SHORT = dict(temperature=0, max_tokens=4)  # where only the route matters
 
 
@@ -165,7 +165,9 @@ def test_disagreement_can_tip_a_probe_to_the_cloud(make_router, server, engine):
     assert alone.route == "local" and alone.text == engine.chat(places, **ANSWER).text
     sampled = make_router(Policy("auto", threshold=between, samples=2, sample_tokens=8)).chat(places, **ANSWER)
     assert sampled.route == "cloud" and sampled.text == CLOUD_ANSWER and "disagreement" in sampled.reason
-    assert sampled.score == pytest.approx(found.score)
+    # Not the very score `assess` gave: samples at temperature 0.7 drawn beside other cached sequences
+    # land in other KV cells, which llama.cpp may round differently, and a near tie can draw another word.
+    assert sampled.score > between
 
 
 def test_a_stream_cancelled_before_it_starts_does_no_local_work(make_router, server, engine):
@@ -339,24 +341,30 @@ def test_cancelling_a_local_stream_stops_the_engine(make_router, engine):
     assert engine.generate("Hi", max_tokens=1).metrics.output_tokens == 1
 
 
-def test_cancelling_while_sampling_stops_the_sample_and_draws_no_more(make_router, server, engine, monkeypatch):
-    drawn = []
-    stream_of = engine.stream
-    monkeypatch.setattr(engine, "stream", lambda *args, **kw: drawn.append(stream_of(*args, **kw)) or drawn[-1])
+def test_cancelling_while_sampling_stops_the_samples(make_router, server, engine, monkeypatch):
+    batches = []
+    batch_of = engine.generate_batch
+
+    def recording(prompt, params, *, cancel=None):
+        batches.append(params)
+        return batches.append(batch_of(prompt, params, cancel=cancel)) or batches[-1]
+
+    monkeypatch.setattr(engine, "generate_batch", recording)
     router = make_router(Policy("auto", threshold=10.0, samples=4, sample_tokens=200))
     stream = router.stream("Tell me a long story about a dragon.", max_tokens=200)
 
     def cancel_once_sampling() -> None:
         deadline = time.monotonic() + 60
-        while not (drawn and drawn[0].logprobs) and time.monotonic() < deadline:
+        while not batches and time.monotonic() < deadline:
             time.sleep(0.005)
+        time.sleep(0.3)  # a few tokens into the samples
         stream.cancel()
 
     threading.Thread(target=cancel_once_sampling, daemon=True).start()
     chunks, result = streamed(stream)
-    samples = drawn[:-1]  # the last stream is the answer's, cancelled before its first token
-    assert len(samples) == 1 and samples[0].result.finish_reason == "cancelled"
-    assert len(samples[0].result.tokens) < 200
+    params, samples = batches
+    assert len(params) == len(samples) == 4
+    assert all(s.finish_reason == "cancelled" and len(s.tokens) < 200 for s in samples)
     assert chunks == [] and result.finish_reason == "cancelled" and result.local_usage.completion_tokens == 0
     assert server.requests == []
 

@@ -2,7 +2,8 @@
 
 Each signal is a number in [0, 1]; higher means "more likely beyond the local model".
 They are cheap by design: regular expressions, counts, and log-probabilities and entropies
-the local model computes anyway (one pass over each token's logits, in the sampler's loop).
+the local model computes as it samples when asked (``SamplingParams(logprobs=True)``, which the
+router sets: one pass over each token's logits, ~30 µs on SmolLM2's 49,152-entry rows).
 
 - ``length``: prompt tokens plus room for the answer, over the local KV capacity (1 = does not fit,
   and the prompt goes to the cloud whatever the score). Its scale depends on the KV budget, so the

@@ -1,0 +1,84 @@
+"""Several KV sequences: answers decoded together against one after another, and the router's samples.
+
+    python scripts/bench_sequences.py --threads 2 --runs 3
+
+Prints aggregate decode tokens/s for N greedy answers of the same prompt decoded together
+(``Engine.generate_batch``, one ``llama_decode`` per step for all of them) and one after another,
+and the router's time to first token with ``samples=4`` (the samples decoded together, sharing
+the prompt's KV). Runs alternate, so both sides see the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from time import perf_counter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgeinfer import CloudModel, Engine, Policy, Router, SamplingParams  # noqa: E402
+from edgeinfer.models.catalog import DEFAULT_MODEL  # noqa: E402
+
+JAPAN = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of Japan?"},
+]
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def decode_rate(engine: Engine, n: int, tokens: int, together: bool) -> float:
+    """Aggregate output tokens per second of decode (prompt evaluation excluded) for ``n`` answers."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.reset()
+    engine.chat(STORY, max_tokens=1)  # the prompt cached: both sides then decode only
+    if together:
+        results = engine.generate_batch(STORY, [params] * n)
+        decode_s = max(r.metrics.decode_s for r in results)  # one step decodes all of them
+    else:
+        results = [engine.chat(STORY, params) for _ in range(n)]
+        decode_s = sum(r.metrics.decode_s for r in results)
+    return sum(len(r.tokens) - 1 for r in results) / decode_s  # the first token of each is drawn from the prompt
+
+
+def router_ttft(engine: Engine, samples: int) -> float:
+    # The cloud is never called: threshold 10 keeps every prompt local; the URL is never dialled.
+    router = Router(
+        engine,
+        CloudModel("http://127.0.0.1:9/v1", "none", api_key="unused"),
+        policy=Policy("auto", threshold=10.0, samples=samples),
+    )
+    engine.reset()
+    start = perf_counter()
+    with router.stream(JAPAN, temperature=0, max_tokens=16) as stream:
+        next(stream)
+        ttft = perf_counter() - start
+        for _ in stream:
+            pass
+    return ttft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--sequences", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    with Engine(args.model, kv_budget="2048tok", threads=args.threads) as engine:
+        for n in args.sequences:
+            together, apart = [], []
+            for _ in range(args.runs):
+                together.append(decode_rate(engine, n, args.tokens, True))
+                apart.append(decode_rate(engine, n, args.tokens, False))
+            t, a = statistics.median(together), statistics.median(apart)
+            print(f"{n} answers: together {t:.1f} tok/s, one after another {a:.1f} tok/s, ratio {t / a:.2f}x")
+        for samples in (0, 4):
+            ttft = statistics.median(router_ttft(engine, samples) for _ in range(args.runs))
+            print(f"router samples={samples}: TTFT {ttft * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
