@@ -79,7 +79,8 @@ class Backend(Protocol):
     """KV cache element types it supports, e.g. ``("f16", "q8_0")``."""
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
-        """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot."""
+        """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot (a model ``supports``
+        refuses included)."""
         ...
 
     @classmethod
@@ -128,7 +129,9 @@ class Backend(Protocol):
         One float32 array per span: its last token's ``(n_vocab,)`` logits, or
         ``(len(tokens), n_vocab)`` with ``all_logits``. An array may be a view of the
         backend's own buffer, valid until the next call; copy it to keep it. Two spans
-        may not name the same sequence.
+        may not name the same sequence. A span may hold more tokens than ``batch_size``: the
+        backend splits it. Every refusal (an unknown or repeated sequence, a start that is not
+        the sequence's length, a full cache) is a one-line ``BackendError``.
         """
         ...
 

@@ -209,13 +209,6 @@ class LlamaCppBackend:
 
     def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
         """``probe=False`` skips the native-build check; only the probe's own child uses it."""
-        if options.n_seq > options.batch_size:
-            # llama.cpp aborts the process (GGML_ASSERT on n_outputs_max) when one step has more sequences
-            # than a batch has outputs.
-            raise InvalidOptionError(
-                f"llama.cpp needs a batch size of at least the sequence count ({options.n_seq}); "
-                f"raise batch_size or lower sequences (batch_size is {options.batch_size})"
-            )
         if probe:
             probe_native_build(info.path)
         lib = llama_lib()
@@ -227,7 +220,11 @@ class LlamaCppBackend:
         try:
             params = lib.llama_context_default_params()
             params.n_ctx = options.kv_tokens
-            params.n_batch = params.n_ubatch = options.batch_size
+            # One decode step carries a token of each sequence, and llama.cpp aborts the process when
+            # they outnumber a batch's outputs: the batch holds at least n_seq. Prompt chunks keep their
+            # own size (the engine's batch_size), so a wider batch computes them exactly as before.
+            self._batch_size = max(options.batch_size, options.n_seq)
+            params.n_batch = params.n_ubatch = self._batch_size
             params.n_seq_max = options.n_seq
             params.kv_unified = True  # one pool of cells for all sequences: the KV budget is one total
             params.n_threads = params.n_threads_batch = options.threads
@@ -249,9 +246,8 @@ class LlamaCppBackend:
             self._n_seq = options.n_seq
             self._can_shift = bool(lib.llama_memory_can_shift(self._memory))
             self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
-            self._batch_size = options.batch_size
-            self._batch = lib.llama_batch_init(options.batch_size, 0, 1)
-            for i in range(options.batch_size):
+            self._batch = lib.llama_batch_init(self._batch_size, 0, 1)
+            for i in range(self._batch_size):
                 self._batch.n_seq_id[i] = 1
             self._lengths = [0] * options.n_seq  # positions each sequence holds, to refuse a gap early
         except BaseException:

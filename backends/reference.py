@@ -14,7 +14,7 @@ from typing import ClassVar
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from edgeinfer.errors import BackendError
+from edgeinfer.errors import BackendError, BackendUnavailableError
 from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, gguf_weights
@@ -54,6 +54,9 @@ class ReferenceBackend:
         return MemoryNeed(weights=weights, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options))
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
+        reason = self.supports(info)
+        if reason is not None:
+            raise BackendUnavailableError(f"the reference backend cannot run this model: {reason}")
         hp = info.hparams
         self.model = Transformer(hp, gguf_weights(info))
         shape = (hp.n_layer, options.kv_tokens, hp.n_head_kv, hp.head_dim)

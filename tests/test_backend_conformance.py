@@ -381,9 +381,9 @@ except EdgeInferError as exc:
 """
 
 
-def test_more_sequences_than_a_batch_holds_work_or_are_refused_without_a_crash(cls, tiny):
+def test_more_sequences_than_a_batch_holds_work_without_a_crash(cls, tiny):
     # llama.cpp asserts (and aborts the process) when a context has more sequences than its batch
-    # has outputs: a child process runs it.
+    # has outputs, so the backend must widen its batch: a child process runs it, in case it does not.
     root = Path(__file__).parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-c", CHILD, cls.name, str(tiny["llama"])]
@@ -392,7 +392,7 @@ def test_more_sequences_than_a_batch_holds_work_or_are_refused_without_a_crash(c
     why = next((line for line in lines if "ASSERT" in line or "Error" in line), lines[-1] if lines else "")
     status = child.returncode
     assert status == 0, f"exit status {status}: {why}"
-    assert child.stdout.startswith(("evaluated 4 True", "refused:")), child.stdout
+    assert child.stdout.startswith("evaluated 4 True"), child.stdout
 
 
 # -- several sequences ----------------------------------------------------------------------------

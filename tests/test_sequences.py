@@ -111,3 +111,13 @@ def test_one_sequence_still_serves_a_chat(model_path):
         result = single.chat(JAPAN, temperature=0)
         assert result.finish_reason == "stop" and result.tokens
         assert [r.finish_reason for r in single.generate_batch(JAPAN, [SamplingParams(max_tokens=4)] * 2)]
+
+
+def test_a_batch_smaller_than_the_sequence_count_still_decodes_them_together(model_path):
+    from edgeinfer import Engine
+
+    with Engine(model_path, kv_budget="512tok", threads=2, batch_size=2) as narrow:
+        results = narrow.generate_batch(
+            JAPAN, [SamplingParams(temperature=0.7, max_tokens=4, seed=s) for s in range(4)]
+        )
+        assert len(results) == 4 and all(r.tokens for r in results)
