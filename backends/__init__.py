@@ -4,11 +4,14 @@ dependency of one backend never stops another from loading."""
 from __future__ import annotations
 
 import importlib
+import logging
 
 from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError
 from edgeinfer.models.info import ModelInfo
 
 from .base import Backend, BackendOptions
+
+log = logging.getLogger("edgeinfer.backends")
 
 # name -> "module:Class", in the order "auto" tries them. A backend registered here runs
 # through tests/test_backend_conformance.py without further ado.
@@ -46,6 +49,8 @@ def choose_backend(name: str, info: ModelInfo) -> type[Backend]:
     reasons = []
     for status_name, status in backend_status(info).items():
         if status == AVAILABLE:
+            if reasons:
+                log.info("auto chose %s for %s; skipped %s", status_name, info.path.name, "; ".join(reasons))
             return backend_class(status_name)
         reasons.append(f"{status_name}: {status}")
     raise BackendUnavailableError(f"no backend can run {info.path.name} here (" + "; ".join(reasons) + ")")

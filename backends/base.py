@@ -41,7 +41,7 @@ class BackendOptions:
     batch_size: int = DEFAULT_BATCH_SIZE  # most tokens one evaluation step takes
     n_seq: int = 1  # sequences the cache holds at once
     device: str = CPU  # one of the backend's ``devices()``
-    gpu_layers: int = 0  # layers placed on ``device`` when it is not the CPU (-1: all)
+    gpu_layers: int = -1  # layers placed on ``device`` when it is a GPU (-1: all)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ class Backend(Protocol):
         backend's own buffer, valid until the next call; copy it to keep it. Two spans
         may not name the same sequence. A span may hold more tokens than ``batch_size``: the
         backend splits it. Every refusal (an unknown or repeated sequence, a start that is not
-        the sequence's length, a full cache) is a one-line ``BackendError``.
+        the sequence's length, a full cache) is a one-line ``BackendError``, and an evaluation
+        that fails leaves every sequence as it was.
         """
         ...
 
@@ -170,13 +171,19 @@ def check_options(backend: type[Backend], options: BackendOptions) -> None:
             f"KV type {options.kv_type!r} is not supported by the {backend.name} backend; "
             f"choose one of {', '.join(backend.kv_types)}"
         )
+    if options.device == CPU:
+        if options.gpu_layers > 0:
+            raise InvalidOptionError("--gpu-layers needs a GPU device (--device); the CPU holds every layer already")
+        return
     names = [d.name for d in backend.devices()]
     if options.device not in names:
         raise InvalidOptionError(
             f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}"
         )
-    if options.device == CPU and options.gpu_layers:
-        raise InvalidOptionError("--gpu-layers needs a GPU device (--device); the CPU holds every layer already")
+    if options.gpu_layers == 0:
+        raise InvalidOptionError(
+            f"--gpu-layers 0 puts nothing on {options.device}; give a number of layers, or -1 for all"
+        )
 
 
 def compute_bytes(info: ModelInfo, options: BackendOptions) -> int:

@@ -14,6 +14,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from edgeinfer.errors import BackendError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo
-from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, llama_cpp_library, probe_native_build
+from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, probe_native_build
 
 from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 
@@ -95,7 +96,7 @@ def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, devi
     if device is not None:
         # A NULL-terminated list of the devices to use; it must outlive the load call.
         devices = (ctypes.c_void_p * 2)(_devices().handle(device), None)
-        params.devices = ctypes.cast(devices, type(params.devices))
+        params.devices = ctypes.addressof(devices)  # llama-cpp-python declares the field a void pointer
     _recent_log.clear()
     with _holding_ctrl_c() as interrupted:
         model = lib.llama_model_load_from_file(path.encode(), params)
@@ -114,10 +115,14 @@ class _Ggml:
     _GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
 
     def __init__(self) -> None:
-        path = llama_cpp_library("ggml")
-        if path is None:
-            raise BackendError("llama-cpp-python's libggml is missing; reinstall llama-cpp-python")
-        lib = ctypes.CDLL(str(path))
+        # The libggml beside the libllama llama_cpp loaded (LLAMA_CPP_LIB_PATH may have put it anywhere):
+        # a second copy of ggml would have devices of its own.
+        llama = Path(_loaded_llama()._name)
+        path = llama.with_name(llama.name.replace("llama", "ggml", 1))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise BackendError(f"llama.cpp's libggml will not load from {path}: {exc}") from None
         size_p = ctypes.POINTER(ctypes.c_size_t)
         for name, restype, argtypes in (
             ("ggml_backend_dev_count", ctypes.c_size_t, []),
@@ -150,6 +155,23 @@ class _Ggml:
 
 
 _ggml: _Ggml | None = None
+_logits_at: Any = None
+
+
+def _logits_address() -> Any:
+    """``llama_get_logits_ith`` returning a plain address, through a function object of our own
+    (llama_cpp's returns a ctypes pointer, which costs a cast per call)."""
+    global _logits_at
+    if _logits_at is None:
+        function = _loaded_llama()["llama_get_logits_ith"]  # indexing makes a new function object
+        function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.c_void_p
+        _logits_at = function
+    return _logits_at
+
+
+def _loaded_llama() -> ctypes.CDLL:
+    """The libllama llama_cpp loaded, wherever it found it (llama_cpp keeps it as ``llama_cpp.llama_cpp._lib``)."""
+    return llama_cpp.llama_cpp._lib
 
 
 def _devices() -> _Ggml:
@@ -216,6 +238,8 @@ class LlamaCppBackend:
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
+        self._row_address: int | None = None
+        self._row_view = np.empty(0, np.float32)
         self._model = self._load(info, options)
         try:
             params = lib.llama_context_default_params()
@@ -284,14 +308,21 @@ class LlamaCppBackend:
         self._check_open()
         lengths = self._lengths
         check_spans(spans, lengths)
-        if len(spans) == 1 and len(spans[0].tokens) <= self._batch_size:  # the decode loop's path: no bookkeeping
-            span = spans[0]
-            self._decode(((span, j) for j in range(len(span.tokens))), len(span.tokens))
+        try:
+            if len(spans) == 1 and len(spans[0].tokens) <= self._batch_size:  # the decode loop's path
+                span = spans[0]
+                self._decode(((span, j) for j in range(len(span.tokens))), len(span.tokens))
+                rows = [self._rows(0, len(span.tokens)) if span.all_logits else self._row(len(span.tokens) - 1)]
+            else:
+                rows = self._eval_chunked(spans)
+        except BaseException:
+            # Earlier chunks are in the cache: take them out, so a failed evaluation changes nothing.
+            for span in spans:
+                self._lib.llama_memory_seq_rm(self._memory, span.seq, span.start, -1)
+            raise
+        for span in spans:
             lengths[span.seq] += len(span.tokens)
-            if span.all_logits:
-                return [self._rows(0, len(span.tokens))]
-            return [self._row(len(span.tokens) - 1)]
-        return self._eval_chunked(spans)
+        return rows
 
     def _eval_chunked(self, spans: Sequence[Span]) -> list[np.ndarray]:
         """Several spans, or more tokens than a batch: one ``llama_decode`` per batch-sized chunk."""
@@ -310,8 +341,6 @@ class LlamaCppBackend:
                 elif last:
                     # Rows of one llama_decode stay valid together; a later chunk overwrites them.
                     results[k] = self._row(i) if single_chunk else self._row(i).copy()
-        for span in spans:
-            self._lengths[span.seq] += len(span.tokens)
         return results  # type: ignore[return-value]
 
     def _decode(self, items: Iterator[tuple[Span, int]], n: int) -> None:
@@ -331,10 +360,23 @@ class LlamaCppBackend:
             )
 
     def _row(self, i: int) -> np.ndarray:
-        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, i), shape=(self._n_vocab,))
+        # The decode loop asks for the same row of the same buffer every step: its view is reused, since
+        # building one (np.ctypeslib.as_array) costs more than the rest of a step's bookkeeping.
+        address = _logits_address()(self._ctx, i)
+        if not address:
+            raise BackendError(f"llama.cpp has no logits for output {i}: {last_log_lines() or 'no reason given'}")
+        if address != self._row_address:
+            self._row_view = np.ctypeslib.as_array((ctypes.c_float * self._n_vocab).from_address(address))
+            self._row_address = address
+        return self._row_view
 
     def _rows(self, first: int, n: int) -> np.ndarray:
-        return np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, first), shape=(n, self._n_vocab))
+        address = _logits_address()(self._ctx, first)
+        if not address:
+            raise BackendError(f"llama.cpp has no logits for output {first}: {last_log_lines() or 'no reason given'}")
+        return np.ctypeslib.as_array((ctypes.c_float * (n * self._n_vocab)).from_address(address)).reshape(
+            n, self._n_vocab
+        )
 
     def truncate(self, seq: int, n: int) -> None:
         self._check_open()
@@ -355,6 +397,8 @@ class LlamaCppBackend:
         self._check_open()
         self._check_seq(src)
         self._check_seq(dst)
+        if src == dst:
+            raise BackendError(f"cannot copy sequence {src} into itself")
         if n > self._lengths[src]:
             raise BackendError(f"sequence {src} holds {self._lengths[src]} positions, not {n}")
         self._lib.llama_memory_seq_rm(self._memory, dst, 0, -1)

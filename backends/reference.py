@@ -59,6 +59,7 @@ class ReferenceBackend:
             raise BackendUnavailableError(f"the reference backend cannot run this model: {reason}")
         hp = info.hparams
         self.model = Transformer(hp, gguf_weights(info))
+        self._n_vocab = hp.n_vocab
         shape = (hp.n_layer, options.kv_tokens, hp.n_head_kv, hp.head_dim)
         dtype = self._KV_DTYPES[options.kv_type]
         self._k, self._v = np.zeros(shape, dtype), np.zeros(shape, dtype)
@@ -81,7 +82,7 @@ class ReferenceBackend:
 
     @property
     def n_vocab(self) -> int:
-        return self.model.hp.n_vocab
+        return self._n_vocab
 
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
@@ -106,6 +107,10 @@ class ReferenceBackend:
             positions.extend(range(span.start, span.start + len(span.tokens)))
         try:
             logits = self.model.forward(tokens, np.asarray(positions), self)
+        except BaseException:
+            for span in spans:  # a failed evaluation changes nothing
+                self.truncate(span.seq, span.start)
+            raise
         finally:
             self._pending = []
         return [
@@ -152,6 +157,8 @@ class ReferenceBackend:
         self._check_open()
         self._check_seq(src)
         self._check_seq(dst)
+        if src == dst:
+            raise BackendError(f"cannot copy sequence {src} into itself")
         if n > len(self._cells[src]):
             raise BackendError(f"sequence {src} holds {len(self._cells[src])} positions, not {n}")
         shared = self._cells[src][:n]

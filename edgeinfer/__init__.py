@@ -34,7 +34,8 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
 
 
 if (_checkout / "pyproject.toml").is_file() and not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):
-    sys.meta_path.append(_CheckoutFinder())
+    # First: an editable install of another checkout must not lend this one its folders.
+    sys.meta_path.insert(0, _CheckoutFinder())
 
 _EXPORTS = {
     "Continuation": "edgeinfer.chat",

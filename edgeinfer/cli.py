@@ -80,9 +80,9 @@ def _placement_options(fn: F) -> F:
     fn = click.option(
         "--gpu-layers",
         type=click.IntRange(min=-1),
-        default=0,
+        default=-1,
         show_default=True,
-        help="Layers placed on --device when it is a GPU (-1: all).",
+        help="Layers placed on --device when it is a GPU (-1: all of them).",
     )(fn)
     return click.option(
         "--device",

@@ -60,7 +60,7 @@ class Engine:
             conversation that shares a system prompt with a cached one copies its KV instead of
             recomputing it), and how many answers ``generate_batch`` decodes together.
         device: where the backend runs (``"cpu"``, or a GPU its ``devices()`` lists).
-        gpu_layers: layers placed on ``device`` when it is a GPU (-1: all).
+        gpu_layers: layers placed on ``device`` when it is a GPU (-1, the default: all).
         force: load even if the memory estimate says it will not fit.
 
     One engine serves one generation at a time; calls from other threads wait their turn.
@@ -72,7 +72,9 @@ class Engine:
     positions after an eviction), or the whole of the last prompt prefilled, with its saved
     last logits, when it is asked again. The same prompt, options, thread count and llama.cpp build
     give the same logits cold, after another call, after a chat turn and after ``reset()``.
-    Another thread count or another build may still round differently.
+    Another thread count or another build may still round differently, and so may a sequence whose
+    cells llama.cpp placed after other sequences' ones (a new conversation sharing a cached one's
+    prefix, answers decoded together); ``sequences=1`` rules that out.
     """
 
     def __init__(
@@ -87,7 +89,7 @@ class Engine:
         batch_size: int = DEFAULT_BATCH_SIZE,
         sequences: int = DEFAULT_SEQUENCES,
         device: str = CPU,
-        gpu_layers: int = 0,
+        gpu_layers: int = -1,
         force: bool = False,
     ) -> None:
         self.kv_budget = KVBudget.parse(kv_budget)
@@ -164,10 +166,9 @@ class Engine:
         _check_prompt(prompt)
         params = sampling_params(params, options)
         cancel = threading.Event()
-        logprobs: list[float] = []
-        entropies: list[float] = []
-        generation = _Generation(params, logprobs, entropies)
-        return Stream(self._run(prompt, [generation], cancel), cancel, logprobs, entropies)
+        generation = _Generation(params)
+        chunks = self._run(prompt, [generation], cancel)
+        return Stream(chunks, cancel, generation.logprobs, generation.entropies, generation.output)
 
     def generate_batch(
         self, prompt: Prompt, params: Sequence[SamplingParams], *, cancel: threading.Event | None = None
@@ -183,7 +184,7 @@ class Engine:
         if not params or not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidOptionError("generate_batch needs a list of one or more SamplingParams")
         cancel = cancel or threading.Event()
-        generations = [_Generation(p, [], []) for p in params]
+        generations = [_Generation(p) for p in params]
         drain(Stream(self._run(prompt, generations, cancel), cancel))
         return [g.result for g in generations]  # type: ignore[misc]  # each set once the run ends
 
@@ -291,6 +292,7 @@ class Engine:
             start = max(1, min(start, len(tokens)))
             # Row i of the logits predicts token i + 1, so scoring from ``start`` evaluates from ``start - 1``.
             seq = self._claim(tokens, start - 1)
+            self._cache.drop_others([seq], len(tokens) - len(self._cache.sequences[seq].tokens))
             scores: list[float] = []
             try:
                 for chunk_start, rows in self._prefill(seq, tokens, rows_from=start - 1):
@@ -388,7 +390,7 @@ class Engine:
         t = perf_counter()
         seq = self._claim(prompt, len(prompt) - 1, replay=True)
         state = self._cache.sequences[seq]
-        logits: np.ndarray | None = None  # stays None only if cancelled before the first chunk
+        logits: np.ndarray | None = None  # stays None if cancelled before the prompt's last chunk
         if state.last_prompt == prompt:
             self._cache.forget(seq, len(prompt))  # drop the answer that followed it
             logits, cached = state.last_logits, len(prompt)
@@ -398,7 +400,9 @@ class Engine:
             # Prefill a chunk at a time, so a cancel waits for one chunk, not the whole prompt.
             for _, chunk_logits in self._prefill(seq, prompt, cancel=cancel):
                 logits = chunk_logits
-            if logits is not None and len(state.tokens) == len(prompt):
+            if len(state.tokens) < len(prompt):  # cancelled mid-prefill: every answer ends before its first token
+                logits = None
+            elif logits is not None:
                 state.last_prompt, state.last_logits = list(prompt), np.array(logits)
         prefill_s = perf_counter() - t
         if logits is not None and not np.isfinite(logits).all():
@@ -407,7 +411,7 @@ class Engine:
         for _ in generations[1:]:
             seqs.append(self._spare_sequence(seqs))
         for other, generation in zip(seqs, generations, strict=True):
-            if other != seq:
+            if other != seq and logits is not None:
                 self._cache.share(seq, other, len(prompt))
             m = generation.metrics
             m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = len(prompt), prompt_cut, cached, prefill_s
@@ -494,10 +498,12 @@ class Engine:
         reuse = [state.reusable(tokens, limit, self.batch_size) for state in sequences]
         best = max(range(len(sequences)), key=lambda s: (reuse[s], sequences[s].used_at))
         held = sequences[best].last_prompt
+        # A sequence without a last prompt (scored, sampled, or evicted from) holds nothing a later call could
+        # reuse beyond what this one does, so it is overwritten in place, cell for cell as a cold run fills them.
         if held is None or list(tokens[: len(held)]) == held or len(sequences) == 1:
             seq = best
             self._cache.forget(seq, reuse[best])
-        else:  # another conversation: keep it, and share the common prefix
+        else:  # another conversation: keep it, and share what is common
             seq = self._spare_sequence([best])
             self._cache.forget(seq, 0)
             if reuse[best]:
@@ -542,12 +548,13 @@ class Engine:
 class _Generation:
     """One answer in the decode loop: its sampler, text, metrics and sequence."""
 
-    def __init__(self, params: SamplingParams, logprobs: list[float], entropies: list[float]) -> None:
+    def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.sampler = Sampler(params)
         self.text = TextStream(params.stop)
-        self.logprobs, self.entropies = logprobs, entropies
         self.output: list[int] = []
+        self.logprobs: list[float] = []
+        self.entropies: list[float] = []
         self.metrics = Metrics()
         self.finish_reason: FinishReason | None = None
         self.chunk = ""
@@ -560,7 +567,12 @@ class _Generation:
         """Draw the next token. Sets ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
         m, params, logits = self.metrics, self.params, self.logits
         t = perf_counter()
-        token = self.sampler(logits, self.state.tokens)
+        try:
+            token = self.sampler(logits, self.state.tokens)
+        except (IndexError, ValueError):  # a row of NaN leaves the sampler no candidate
+            if not np.isfinite(logits).all():
+                raise _corrupt(self.model_name) from None
+            raise
         if not math.isfinite(logits[token]):  # a NaN wins the argmax: one look instead of a pass over the row
             raise _corrupt(self.model_name)
         if params.logprobs:  # the router's signals, only when asked: a pass over the whole row

@@ -54,8 +54,9 @@ class Stream(Iterator[str]):
     """Text chunks as they are generated; ``result`` once the iteration has ended.
 
     ``cancel()`` may be called from any thread: the generation stops after the
-    token in progress and finishes with ``finish_reason == "cancelled"``. ``logprobs`` and
-    ``entropies`` grow as tokens are sampled, so a caller can judge the model's confidence mid-stream.
+    token in progress and finishes with ``finish_reason == "cancelled"``. ``tokens`` grows as
+    tokens are sampled, and so do ``logprobs`` and ``entropies`` when ``SamplingParams(logprobs=True)``
+    asked for them, so a caller can judge the model's confidence mid-stream.
     """
 
     def __init__(
@@ -64,11 +65,13 @@ class Stream(Iterator[str]):
         cancel: threading.Event,
         logprobs: list[float] | None = None,
         entropies: list[float] | None = None,
+        tokens: list[int] | None = None,
     ) -> None:
         self._chunks = chunks
         self._cancel = cancel
         self.logprobs: list[float] = logprobs if logprobs is not None else []
         self.entropies: list[float] = entropies if entropies is not None else []
+        self.tokens: list[int] = tokens if tokens is not None else []
         self.result: Result | None = None
 
     def __next__(self) -> str:

@@ -44,6 +44,7 @@ class Tokenizer:
         self.add_bos: bool = bool(self._lib.llama_vocab_get_add_bos(self._vocab))
         self._add_eos = bool(self._lib.llama_vocab_get_add_eos(self._vocab))
         self._pieces: dict[int, bytes] = {}
+        self._ends: dict[int, bool] = {}
 
     def encode(
         self,
@@ -126,6 +127,8 @@ class Tokenizer:
         if cached is None:
             with self._open():
                 cached = self._pieces[token] = self._render(token, special=False)
+        elif self._model is None:
+            raise _closed()
         return cached
 
     def token_text(self, token: int) -> str:
@@ -142,15 +145,22 @@ class Tokenizer:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def is_end_of_generation(self, token: int) -> bool:
-        with self._open():
-            return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+        # Asked once per generated token: remembered per id, as pieces are, so the lock and the
+        # native call are paid once per distinct token.
+        ends = self._ends.get(token)
+        if ends is None:
+            with self._open():
+                ends = self._ends[token] = bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+        elif self._model is None:
+            raise _closed()
+        return ends
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[None]:
         """Hold the vocabulary open for a native call; a closed tokenizer is an error."""
         with self._lock:
             if self._model is None:
-                raise EdgeInferError("this tokenizer is closed (its engine was closed); create a new Engine")
+                raise _closed()
             yield
 
     def _render(self, token: int, *, special: bool) -> bytes:
@@ -171,3 +181,7 @@ class Tokenizer:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
             self.close()
+
+
+def _closed() -> EdgeInferError:
+    return EdgeInferError("this tokenizer is closed (its engine was closed); create a new Engine")

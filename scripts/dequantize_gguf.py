@@ -12,12 +12,12 @@ between its batched and one-token paths:
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
+from edgeinfer.files import atomic_path
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import load_model_info
 from edgeinfer.models.tensors import open_tensors
@@ -52,18 +52,17 @@ def main() -> None:
     args = parser.parse_args()
     dtype, file_type = FILE_TYPES[args.type]
     info = load_model_info(resolve_model(args.model))
-    partial = args.output.with_name(args.output.name + ".partial")
-    writer = GGUFWriter(partial, info.architecture)
-    copy_metadata(GGUFReader(info.path), writer, file_type)
-    with open_tensors(info) as tensors:
-        for name in tensors:
-            data = tensors.dequantize(name)
-            writer.add_tensor(name, data if data.ndim == 1 else data.astype(dtype))  # norms stay F32
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(partial, args.output)
+    with atomic_path(args.output) as partial:
+        writer = GGUFWriter(partial, info.architecture)
+        copy_metadata(GGUFReader(info.path), writer, file_type)
+        with open_tensors(info) as tensors:
+            for name in tensors:
+                data = tensors.dequantize(name)
+                writer.add_tensor(name, data if data.ndim == 1 else data.astype(dtype))  # norms stay F32
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     print(f"wrote {args.output} ({args.output.stat().st_size / 2**20:,.1f} MiB)")
 
 

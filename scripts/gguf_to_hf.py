@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from edgeinfer.converters.vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 from edgeinfer.errors import ConversionError, EdgeInferError
+from edgeinfer.files import atomic_path
 from edgeinfer.models.arch import HParams
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import load_model_info
@@ -132,13 +132,8 @@ def to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 @contextlib.contextmanager
 def atomic_write(path: Path) -> Iterator[BinaryIO]:
     """Open ``path`` for writing through a temporary file that replaces it only once complete."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        with open(partial, "wb") as f:
-            yield f
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    with atomic_path(path) as partial, open(partial, "wb") as f:
+        yield f
 
 
 def write_text(path: Path, text: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import subprocess
 import sys
@@ -24,8 +23,9 @@ from pathlib import Path
 import llama_cpp
 
 from edgeinfer.errors import BackendError, EdgeInferError, InvalidOptionError
+from edgeinfer.files import atomic_path
 from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.system import thread_count
+from edgeinfer.system import child_env, thread_count
 
 # Every file type this llama.cpp knows, by the name llama-quantize uses (Q4_K_M, Q8_0, F16...).
 FILE_TYPES = {
@@ -60,21 +60,17 @@ def quantize_with_llamacpp(src: str | Path, dst: str | Path, ftype: str, threads
     if not dst.parent.is_dir():
         raise InvalidOptionError(f"the folder {dst.parent} does not exist; create it first")
     load_model_info(src)  # a one-line error for a file llama.cpp would choke on
-    partial = dst.with_name(dst.name + ".partial")
-    try:
+    with atomic_path(dst) as partial:  # a failed or interrupted run leaves nothing behind
         child = subprocess.run(
             [sys.executable, "-c", _CHILD, str(src), str(partial), str(FILE_TYPES[ftype]), str(threads)],
             capture_output=True,
             text=True,
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, sys.path)), GGML_NO_BACKTRACE="1"),
+            env={**child_env(), "GGML_NO_BACKTRACE": "1"},
         )
         if child.returncode != 0:
             how = f"aborted (signal {-child.returncode})" if child.returncode < 0 else "failed"
             last_words = [line.strip() for line in child.stderr.splitlines() if line.strip()] or ["no reason given"]
             raise BackendError(f"llama.cpp {how} quantizing {src.name} to {ftype}: {last_words[-1]}")
-        os.replace(partial, dst)
-    finally:
-        partial.unlink(missing_ok=True)  # a failed or interrupted run leaves nothing behind
 
 
 def type_table(info: ModelInfo) -> list[str]:

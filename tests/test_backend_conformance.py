@@ -417,6 +417,28 @@ def test_sequences_in_one_call_equal_each_alone(cls, infos):
         assert_close(np.atleast_2d(expected), np.atleast_2d(actual), SEQUENCE_KLD, f"sequence {seq}, call {step}")
 
 
+def test_an_evaluation_that_fails_changes_nothing(cls, infos):
+    with opened(cls, infos["llama"], kv_tokens=100, batch_size=16) as backend:
+        capacity = backend.capacity
+        logits(backend, Span(0, 0, TOKENS[:10]))
+        too_long = (OTHER * (capacity // len(OTHER) + 1))[:capacity]  # chunks fit until the cache is full
+        with pytest.raises(BackendError) as exc:
+            backend.eval([Span(0, 10, too_long)])
+        one_line(exc)
+        (after,) = logits(backend, Span(0, 10, TOKENS[10:12]))  # as if the failed call never happened
+    with opened(cls, infos["llama"], kv_tokens=100, batch_size=16) as cold:
+        logits(cold, Span(0, 0, TOKENS[:10]))
+        (expected,) = logits(cold, Span(0, 10, TOKENS[10:12]))
+    assert_close(expected[None], after[None], 1e-6, "after a failed evaluation")
+
+
+def test_a_sequence_cannot_be_copied_into_itself(cls, infos):
+    with opened(cls, infos["llama"]) as backend:
+        logits(backend, Span(0, 0, TOKENS[:8]))
+        with pytest.raises(BackendError, match="into itself"):
+            backend.copy_prefix(0, 0, 4)
+
+
 def test_a_copied_prefix_continues_as_if_computed_and_truncating_the_copy_leaves_the_source(cls, infos):
     prefix, rest_0, rest_1 = TOKENS[:16], TOKENS[16:24], OTHER[:12]
     with opened(cls, infos["llama"], n_seq=2) as backend:
@@ -560,6 +582,8 @@ def test_nan_that_appears_while_decoding_is_a_backend_error(cls, tmp_path):
         (row,) = logits(backend, Span(0, len(tokens), [first]))
         assert not np.isfinite(row).all()
     with Engine(path, backend=cls.name, kv_budget="256tok", threads=2) as engine:
-        with pytest.raises(BackendError) as exc:
-            engine.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True)
-        assert "NaN" in one_line(exc) or "infinite" in str(exc.value)
+        # Greedy, and the sampling chain (top_k=1 draws the same token, through the sampler's own path).
+        for options in (dict(temperature=0), dict(temperature=0.8, top_k=1, seed=0)):
+            with pytest.raises(BackendError) as exc:
+                engine.generate(prompt, max_tokens=4, ignore_eos=True, **options)
+            assert "NaN" in one_line(exc) or "infinite" in str(exc.value)

@@ -48,7 +48,7 @@ def test_two_configurations_side_by_side_as_json(runner, model_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["prompt_tokens"], report["gen_tokens"], report["runs"]) == (16, 8, 2)
-    assert report["interleaved"] is True and (report["device"], report["gpu_layers"]) == ("cpu", 0)
+    assert report["interleaved"] is True and (report["device"], report["gpu_layers"]) == ("cpu", -1)
     first, second = report["configs"]
     assert first["model"] == "smollm2-135m" and second["model"] == str(model_path)
     assert first["path"] == second["path"] == str(model_path)

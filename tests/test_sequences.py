@@ -121,3 +121,14 @@ def test_a_batch_smaller_than_the_sequence_count_still_decodes_them_together(mod
             JAPAN, [SamplingParams(temperature=0.7, max_tokens=4, seed=s) for s in range(4)]
         )
         assert len(results) == 4 and all(r.tokens for r in results)
+
+
+def test_a_batch_cancelled_before_its_prompt_is_evaluated_ends_cancelled(model_path):
+    from edgeinfer import Engine
+
+    with Engine(model_path, kv_budget="512tok", threads=2) as fresh:  # nothing cached to replay
+        cancel = threading.Event()
+        cancel.set()
+        results = fresh.generate_batch(JAPAN, [SamplingParams(max_tokens=8)] * 3, cancel=cancel)
+        assert [r.finish_reason for r in results] == ["cancelled"] * 3 and fresh.kv_used == 0
+        assert fresh.chat(JAPAN, max_tokens=2).tokens  # and the engine goes on

@@ -52,7 +52,7 @@ class ChatSettings:
     cloud_model: str | None = None  # default: $EDGEINFER_CLOUD_MODEL
     threads: int | None = None
     device: str = CPU
-    gpu_layers: int = 0  # placed on ``device`` (-1: all)
+    gpu_layers: int = -1  # placed on ``device`` when it is a GPU (-1: all)
 
     def check(self) -> None:
         """Raise InvalidOptionError, naming the fix, for a value the chat cannot use."""

@@ -81,7 +81,7 @@ class BenchReport:
     interleaved: bool
     outcomes: list[Outcome]
     device: str = CPU
-    gpu_layers: int = 0  # placed on ``device`` (-1: all)
+    gpu_layers: int = -1  # placed on ``device`` when it is a GPU (-1: all)
 
     def to_dict(self) -> dict[str, Any]:
         first = self.outcomes[0].summary()

@@ -41,7 +41,7 @@ def bench(
     runs: int = 5,
     threads: int | None = None,
     device: str = CPU,
-    gpu_layers: int = 0,
+    gpu_layers: int = -1,
     progress: Callable[[str], None] = lambda line: None,
 ) -> BenchReport:
     """Benchmark every model on every backend; see the package docstring for the method.

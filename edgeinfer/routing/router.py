@@ -403,7 +403,9 @@ class _Routing:
 
     def _local(self, *, probe: bool) -> Generator[str, None, None]:
         policy = self.router.policy
-        stream = self.local.stream(self.messages, self.params)
+        # The probe judges the local model's confidence in its first tokens; other plans need none of it.
+        params = dataclasses.replace(self.params, logprobs=probe or self.params.logprobs)
+        stream = self.local.stream(self.messages, params)
         self.call.run_locally(stream)  # a cancel while the prompt was scored or sampled stops it at once
         held: list[str] = []
         try:
@@ -424,7 +426,7 @@ class _Routing:
                 verdict = ">=" if self.score >= policy.threshold else "<"
                 self.reason = (
                     f"escalation score {self.score:.2f} {verdict} {policy.threshold:.2f} after "
-                    f"{len(stream.logprobs)} local tokens ({top_signals(self.signals, policy.weights)})"
+                    f"{len(stream.tokens)} local tokens ({top_signals(self.signals, policy.weights)})"
                 )
                 if verdict == ">=" and not self.call.cancelled:
                     yield from self._cloud(self.messages, fallback=(stream, held))
@@ -446,7 +448,7 @@ class _Routing:
         if result is not None:
             self.local_usage = Usage(result.metrics.prompt_tokens, result.metrics.output_tokens)
         else:
-            self.local_usage = Usage(len(self.local.tokenize(self.messages)), len(stream.logprobs), estimated=True)
+            self.local_usage = Usage(len(self.local.tokenize(self.messages)), len(stream.tokens), estimated=True)
 
     def _after_local_failure(self, exc: BaseException) -> Generator[str, None, None]:
         blocked = self.router.cloud_state()
@@ -480,7 +482,7 @@ class _Routing:
             yield from self._after_cloud_failure(err, fallback, local_on_failure)
             return
         if fallback is not None:  # the cloud has answered: let the engine go
-            self.local_usage = Usage(len(self.local.tokenize(self.messages)), len(fallback[0].logprobs), estimated=True)
+            self.local_usage = Usage(len(self.local.tokenize(self.messages)), len(fallback[0].tokens), estimated=True)
             fallback[0].close()
         if first:
             yield from self._show([first], self.cloud_times)
@@ -605,7 +607,7 @@ def assess(
     messages, params = _prepare(messages, params, options)
     signals = prompt_signals(engine, messages, params)
     samples = sample_answers(engine, messages, policy)
-    with engine.stream(messages, params) as stream:
+    with engine.stream(messages, dataclasses.replace(params, logprobs=True)) as stream:
         probe = "".join(take_probe(stream, policy.probe_tokens))
         result = drain(stream)
     signals.update(probe_signals(messages, probe, samples, result.logprobs, result.entropies, policy.probe_tokens))
@@ -632,7 +634,7 @@ def take_probe(stream: Stream, k: int) -> list[str]:
     held: list[str] = []
     for chunk in stream:
         held.append(chunk)
-        if len(stream.logprobs) >= k:
+        if len(stream.tokens) >= k:
             break
     return held
 
@@ -696,8 +698,7 @@ def _prepare(
         messages = [{"role": "user", "content": messages}]
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise InvalidOptionError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    # The local model's confidence in its tokens is what the probe judges.
-    return list(messages), dataclasses.replace(sampling_params(params, options), logprobs=True)
+    return list(messages), sampling_params(params, options)
 
 
 def _routed(stream: Stream) -> RoutedResult:
