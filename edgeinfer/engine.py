@@ -72,9 +72,9 @@ class Engine:
     positions after an eviction), or the whole of the last prompt prefilled, with its saved
     last logits, when it is asked again. The same prompt, options, thread count and llama.cpp build
     give the same logits cold, after another call, after a chat turn and after ``reset()``.
-    Another thread count or another build may still round differently, and so may a sequence whose
-    cells llama.cpp placed after other sequences' ones (a new conversation sharing a cached one's
-    prefix, answers decoded together); ``sequences=1`` rules that out.
+    Another thread count or another build may still round differently, and so may a conversation
+    that shares a cached one's prefix, whose cells llama.cpp places after the other's; a prompt that
+    shares nothing reusable empties the pool first, and ``sequences=1`` rules the case out.
     """
 
     def __init__(
@@ -260,21 +260,21 @@ class Engine:
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """The ``(len(tokens), n_vocab)`` logits of every position, from an empty cache (for scoring).
 
-        Runs in a sequence of its own, emptied afterwards; cached conversations stay cached when there is room.
+        The whole pool is emptied first, so the positions fill the cells a cold run does and the scores
+        do not depend on what was cached (llama.cpp rounds by cell placement). It is left empty.
         """
         if not 0 < len(tokens) <= self.capacity:
             raise InvalidOptionError(
                 f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
             )
         with self._hold():
-            seq = self._spare_sequence(())
-            self._cache.forget(seq, 0)
-            self._cache.drop_others([seq], len(tokens))
+            for seq in range(len(self._cache.sequences)):
+                self._cache.forget(seq, 0)
             try:
-                (rows,) = self.backend.eval([Span(seq, 0, tokens, all_logits=True)])
+                (rows,) = self.backend.eval([Span(0, 0, tokens, all_logits=True)])
                 return np.array(rows, dtype=np.float32)
             finally:
-                self.backend.truncate(seq, 0)
+                self.backend.truncate(0, 0)
 
     def prompt_logprobs(self, prompt: Prompt, start: int = 1) -> list[float]:
         """The log-probability of each prompt token from index ``start`` on, given the tokens before it.
@@ -426,6 +426,12 @@ class Engine:
                 yield tail
         for generation in generations:
             generation.finish(self, perf_counter() - start)
+        if len(generations) > 1:
+            # Answers decoded together are not conversations to go on with: free their cells and keep the
+            # prompt. Freed, the cells after the prompt are where a cold run puts the next answer's tokens,
+            # so the answer that usually follows (the router's, after its samples) is the cold answer.
+            for generation in generations:
+                self._cache.forget(generation.seq, len(prompt) if generation.seq == seq else 0)
 
     def _decode_steps(
         self, generations: list[_Generation], cancel: threading.Event, start: float
@@ -497,6 +503,13 @@ class Engine:
                 return seq
         reuse = [state.reusable(tokens, limit, self.batch_size) for state in sequences]
         best = max(range(len(sequences)), key=lambda s: (reuse[s], sequences[s].used_at))
+        if reuse[best] == 0:
+            # Nothing cached helps: start from an empty pool, so the prompt's cells are the ones a cold
+            # run fills and its answer is the cold answer (llama.cpp rounds by cell placement).
+            for other in range(len(sequences)):
+                self._cache.forget(other, 0)
+            sequences[best].used_at = self._calls
+            return best
         held = sequences[best].last_prompt
         # A sequence without a last prompt (scored, sampled, or evicted from) holds nothing a later call could
         # reuse beyond what this one does, so it is overwritten in place, cell for cell as a cold run fills them.

@@ -39,9 +39,9 @@ def test_parallel_greedy_answers_equal_the_single_answer(engine):
     results = engine.generate_batch(JAPAN, [SamplingParams(temperature=0, max_tokens=32)] * 3)
     assert [r.text for r in results] == [single.text] * 3
     assert all(r.finish_reason == "stop" for r in results)
-    # The prompt was evaluated once and its cells are shared: the cache holds it once, plus each answer.
-    prompt = len(engine.tokenize(JAPAN))
-    assert engine.kv_used == prompt + sum(evaluated(r) for r in results)
+    # The prompt was evaluated once; the answers' cells are freed afterwards and the prompt stays cached.
+    assert all(r.metrics.prompt_tokens == len(engine.tokenize(JAPAN)) for r in results)
+    assert engine.kv_used == len(engine.tokenize(JAPAN))
 
 
 def test_seeded_parallel_samples_are_reproducible_and_differ_from_each_other(engine):
@@ -132,3 +132,17 @@ def test_a_batch_cancelled_before_its_prompt_is_evaluated_ends_cancelled(model_p
         results = fresh.generate_batch(JAPAN, [SamplingParams(max_tokens=8)] * 3, cancel=cancel)
         assert [r.finish_reason for r in results] == ["cancelled"] * 3 and fresh.kv_used == 0
         assert fresh.chat(JAPAN, max_tokens=2).tokens  # and the engine goes on
+
+
+def test_the_answer_after_parallel_samples_is_the_cold_answer(model_path):
+    # The router draws samples, decoded together, then answers: that answer must not depend on
+    # where the samples' cells were (llama.cpp rounds by cell placement).
+    from edgeinfer import Engine
+
+    with Engine(model_path, kv_budget="1024tok", threads=2) as fresh:
+        cold = fresh.chat(JAPAN, temperature=0, max_tokens=24, logprobs=True)
+        fresh.reset()
+        fresh.generate_batch(JAPAN, [SamplingParams(temperature=0.7, max_tokens=24, seed=s) for s in range(4)])
+        after = fresh.chat(JAPAN, temperature=0, max_tokens=24, logprobs=True)
+        assert after.metrics.cached_tokens == len(fresh.tokenize(JAPAN))  # the prompt itself was kept
+        assert (after.tokens, after.logprobs) == (cold.tokens, cold.logprobs)
