@@ -192,13 +192,28 @@ def compute_bytes(info: ModelInfo, options: BackendOptions) -> int:
     return 4 * options.batch_size * (hp.n_vocab + 8 * hp.n_embd)
 
 
+def check_sequence(seq: int, lengths: Sequence[int]) -> None:
+    """Refuse a sequence number the cache does not have (``lengths``: positions each sequence holds)."""
+    if not 0 <= seq < len(lengths):
+        raise BackendError(f"sequence {seq} does not exist: this cache holds sequences 0..{len(lengths) - 1}")
+
+
+def check_copy(src: int, dst: int, n: int, lengths: Sequence[int]) -> None:
+    """Refuse a ``copy_prefix`` the contract forbids, in one line."""
+    check_sequence(src, lengths)
+    check_sequence(dst, lengths)
+    if src == dst:
+        raise BackendError(f"cannot copy sequence {src} into itself")
+    if n > lengths[src]:
+        raise BackendError(f"sequence {src} holds {lengths[src]} positions, not {n}")
+
+
 def check_spans(spans: Sequence[Span], lengths: Sequence[int]) -> None:
     """Refuse, in one line, an evaluation the contract forbids: an unknown or repeated sequence, an empty
-    span, or one that does not start where its sequence ends (``lengths``: positions each sequence holds)."""
+    span, or one that does not start where its sequence ends."""
     seen = set()
     for span in spans:
-        if not 0 <= span.seq < len(lengths):
-            raise BackendError(f"sequence {span.seq} does not exist: this cache holds sequences 0..{len(lengths) - 1}")
+        check_sequence(span.seq, lengths)
         if not span.tokens:
             raise BackendError("eval needs at least one token per sequence")
         if span.seq in seen:

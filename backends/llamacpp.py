@@ -25,7 +25,7 @@ from edgeinfer.errors import BackendError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, probe_native_build
 
-from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
+from .base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
 
 log = logging.getLogger("edgeinfer.llamacpp")
 
@@ -380,14 +380,14 @@ class LlamaCppBackend:
 
     def truncate(self, seq: int, n: int) -> None:
         self._check_open()
-        self._check_seq(seq)
+        check_sequence(seq, self._lengths)
         if not self._lib.llama_memory_seq_rm(self._memory, seq, n, -1):
             raise BackendError(f"llama.cpp cannot remove positions from {n} on from this model's cache")
         self._lengths[seq] = min(self._lengths[seq], n)
 
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
-        self._check_seq(seq)
+        check_sequence(seq, self._lengths)
         if not self._lib.llama_memory_seq_rm(self._memory, seq, start, end):
             raise BackendError(f"llama.cpp cannot remove positions {start}..{end - 1} from this model's cache")
         self._lib.llama_memory_seq_add(self._memory, seq, end, -1, start - end)
@@ -395,19 +395,10 @@ class LlamaCppBackend:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self._check_open()
-        self._check_seq(src)
-        self._check_seq(dst)
-        if src == dst:
-            raise BackendError(f"cannot copy sequence {src} into itself")
-        if n > self._lengths[src]:
-            raise BackendError(f"sequence {src} holds {self._lengths[src]} positions, not {n}")
+        check_copy(src, dst, n, self._lengths)
         self._lib.llama_memory_seq_rm(self._memory, dst, 0, -1)
         self._lib.llama_memory_seq_cp(self._memory, src, dst, 0, n)
         self._lengths[dst] = n
-
-    def _check_seq(self, seq: int) -> None:
-        if not 0 <= seq < self._n_seq:
-            raise BackendError(f"sequence {seq} does not exist: this cache holds sequences 0..{self._n_seq - 1}")
 
     def _check_open(self) -> None:
         # A call on freed native memory would crash the process; the engine never makes one, a caller holding

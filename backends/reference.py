@@ -20,7 +20,7 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, gguf_weights
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
+from .base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
 
 
 class ReferenceBackend:
@@ -86,7 +86,7 @@ class ReferenceBackend:
 
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
-        check_spans(spans, [len(cells) for cells in self._cells])
+        check_spans(spans, self._lengths())
         free = np.flatnonzero(self._users == 0)
         wanted = sum(len(span.tokens) for span in spans)
         if wanted > len(free):
@@ -134,14 +134,14 @@ class ReferenceBackend:
 
     def truncate(self, seq: int, n: int) -> None:
         self._check_open()
-        self._check_seq(seq)
+        check_sequence(seq, self._lengths())
         held = self._cells[seq]
         self._users[held[n:]] -= 1
         del held[n:]
 
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
-        self._check_seq(seq)
+        check_sequence(seq, self._lengths())
         held = self._cells[seq]
         kept = held[end:]
         if np.any(self._users[held[start:]] > 1):
@@ -155,20 +155,14 @@ class ReferenceBackend:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self._check_open()
-        self._check_seq(src)
-        self._check_seq(dst)
-        if src == dst:
-            raise BackendError(f"cannot copy sequence {src} into itself")
-        if n > len(self._cells[src]):
-            raise BackendError(f"sequence {src} holds {len(self._cells[src])} positions, not {n}")
+        check_copy(src, dst, n, self._lengths())
         shared = self._cells[src][:n]
         self.truncate(dst, 0)
         self._users[shared] += 1
         self._cells[dst] = list(shared)
 
-    def _check_seq(self, seq: int) -> None:
-        if not 0 <= seq < len(self._cells):
-            raise BackendError(f"sequence {seq} does not exist: this cache holds sequences 0..{len(self._cells) - 1}")
+    def _lengths(self) -> list[int]:
+        return [len(cells) for cells in self._cells]
 
     def _check_open(self) -> None:
         if self._closed:
