@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgeinfer.errors import BackendError
+from edgeinfer.errors import BackendError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.system import MemoryNeed
 
@@ -164,8 +164,6 @@ class Backend(Protocol):
 
 def check_options(backend: type[Backend], options: BackendOptions) -> None:
     """Refuse options a backend cannot honour, in one line naming the choices."""
-    from edgeinfer.errors import InvalidOptionError
-
     if options.kv_type not in backend.kv_types:
         raise InvalidOptionError(
             f"KV type {options.kv_type!r} is not supported by the {backend.name} backend; "

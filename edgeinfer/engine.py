@@ -454,7 +454,7 @@ class Engine:
             running = [generation for generation, _ in stepping]
             if not running:
                 return
-            self._make_room(running, len(running))
+            self._make_room(running)
             spans = [Span(g.seq, len(g.state.tokens), (token,)) for g, token in stepping]
             t = perf_counter()
             rows = backend.eval(spans)
@@ -464,8 +464,10 @@ class Engine:
                 generation.logits = row
                 generation.metrics.decode_s += elapsed
 
-    def _make_room(self, running: list[_Generation], n_incoming: int) -> None:
-        """Free cells for ``n_incoming`` more: other sequences' first; then, for one generation, the KV policy's."""
+    def _make_room(self, running: list[_Generation]) -> None:
+        """Free a cell for each running generation's next token: other sequences' first; then, for one
+        generation, the KV policy's."""
+        n_incoming = len(running)
         if self._cache.has_room(n_incoming):
             return
         self._cache.drop_others([g.seq for g in running], n_incoming)
@@ -497,10 +499,12 @@ class Engine:
         """
         self._calls += 1
         sequences = self._cache.sequences
-        for seq, state in enumerate(sequences):
-            if replay and state.last_prompt == list(tokens):
-                state.used_at = self._calls
-                return seq
+        if replay:
+            asked = list(tokens)
+            for seq, state in enumerate(sequences):
+                if state.last_prompt == asked:
+                    state.used_at = self._calls
+                    return seq
         reuse = [state.reusable(tokens, limit, self.batch_size) for state in sequences]
         best = max(range(len(sequences)), key=lambda s: (reuse[s], sequences[s].used_at))
         if reuse[best] == 0:
