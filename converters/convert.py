@@ -7,11 +7,15 @@ Uniform conversions (``qtype="q8_0"``) quantize every matrix alike, with an impo
 if calibration text is given. Budgeted ones (``target_size`` or ``target_bpw``) measure each
 matrix's error under every type its rows allow and pick the mix with the least estimated error
 that fits (``converters/plan.py``).
+
+A conversion of a billion-parameter checkpoint takes minutes; ``progress`` is told where it
+stands after each unit of work (a ``Step``: the stage, and how many of its layers or tensors
+are done), for a progress bar or log lines. ``log`` gets the notes a user should read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from time import perf_counter
@@ -20,11 +24,21 @@ from typing import Any, Literal
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgeinfer.converters.calibrate import TOKEN_EMBD, Calibration, calibrate, column_importance, output_kld
+from edgeinfer.converters.calibrate import Calibration, calibrate, column_importance, output_klds
 from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.output import check_output, output_path, scratch_folder, sweep
-from edgeinfer.converters.plan import UNIFORM_TYPES, Choice, budgeted, estimate_errors, stored_bytes, uniform
-from edgeinfer.converters.quantize import block_size, dequantize, quantize
+from edgeinfer.converters.plan import (
+    UNIFORM_TYPES,
+    Choice,
+    budgeted,
+    candidate_types,
+    error_sample,
+    estimate_errors,
+    stored_bytes,
+    uniform,
+)
+from edgeinfer.converters.quantize import block_size, quantize
+from edgeinfer.converters.rows import TOKEN_EMBD, gather_rows
 from edgeinfer.converters.vocab import read_vocab
 from edgeinfer.converters.writer import header_bytes, write_gguf, write_vocab_only
 from edgeinfer.errors import ConversionError
@@ -33,11 +47,41 @@ from edgeinfer.system import peak_rss
 
 QType = GGMLQuantizationType
 Sensitivity = Literal["activation", "kld"]
+Stage = Literal["reading", "calibrating", "probing", "measuring", "writing", "evaluating"]
 CALIB_TOKENS = 4096  # enough for a stable importance matrix; the reference pass costs ~1 s per 300 tokens
 CALIB_CTX = 512
 PROBE_TOKENS = 256  # the tokens each tensor's KL divergence is measured on
 # Types ggml quantizes without looking at an importance matrix: calibrating for them is wasted.
 IMPORTANCE_UNUSED = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0})
+
+
+@dataclass(frozen=True)
+class Step:
+    """Where a conversion stands: ``done`` of the ``total`` units (``unit``: layer, tensor, ...) of
+    ``stage``. Each stage is announced with ``done`` 0 and ends with ``done == total``; the stages
+    come in this order, those a conversion does not need left out:
+
+    * ``reading``: the checkpoint's tokenizer and the calibration text;
+    * ``calibrating``: the calibration text through each layer (with ``calib``);
+    * ``probing``: each layer's effect on the output distribution, the head last (``sensitivity="kld"``);
+    * ``measuring``: each matrix's error under every type its rows allow (with a budget);
+    * ``writing``: each tensor quantized and written;
+    * ``evaluating``: perplexity and divergence in llama.cpp (with ``eval_text``).
+    """
+
+    stage: Stage
+    done: int
+    total: int
+    unit: str
+    work: float | None = None  # the share of the stage's work done, where its units differ in cost
+
+    @property
+    def share(self) -> float:
+        """The share of the stage's work done, from 0 to 1: what the time left is reckoned from."""
+        return self.work if self.work is not None else self.done / self.total
+
+
+Progress = Callable[[Step], None]
 
 
 @dataclass
@@ -123,13 +167,15 @@ def convert(
     eval_text: str | Path | None = None,
     pre_tokenizer: str | None = None,
     log: Callable[[str], None] = lambda message: None,
+    progress: Progress = lambda step: None,
 ) -> ConversionReport:
     """Convert the checkpoint in ``hf_dir`` to the GGUF file ``output`` and report what was written.
 
     Give either ``qtype`` (one of ``UNIFORM_TYPES``; ``f16`` when nothing is given) or a budget:
     ``target_size`` in bytes for the whole file, or ``target_bpw`` bits per weight. A budget
     needs ``calib``, a text file like the model's use. ``eval_text`` measures perplexity and
-    KL divergence against the unquantized model, with llama.cpp.
+    KL divergence against the unquantized model, with llama.cpp. ``log`` is given notes for the
+    user, one line each; ``progress`` a ``Step`` after each unit of work.
     """
     start = perf_counter()
     output = output_path(output)
@@ -151,6 +197,7 @@ def convert(
     held_out = _read_text(eval_text, "--eval") if eval_text is not None else None  # before minutes of work
     ckpt = Checkpoint(hf_dir)
     _claim_output(output, ckpt, calib, eval_text, log)
+    progress(Step("reading", 0, 1, "checkpoint"))  # after the checks: a refusal is one line, alone
     hp = ckpt.hparams
     vocab = read_vocab(ckpt.folder, hp.n_vocab, pre=pre_tokenizer)
     for note in vocab.notes:
@@ -169,9 +216,14 @@ def convert(
         tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output)
         ctx = min(CALIB_CTX, hp.n_ctx_train)
         tokens = _spread(tokens, CALIB_TOKENS, ctx - (bos is not None))
-        log(f"calibrating on {len(tokens)} tokens, one layer at a time")
+        progress(Step("reading", 1, 1, "checkpoint"))
         probe = PROBE_TOKENS if budget_given and sensitivity == "kld" else 0
-        calibration = calibrate(ckpt, tokens, ctx, probe, bos)
+        progress(Step("calibrating", 0, hp.n_layer, "layer"))
+        calibration = calibrate(
+            ckpt, tokens, ctx, probe, bos, lambda done, _: progress(Step("calibrating", done, hp.n_layer, "layer"))
+        )
+    else:
+        progress(Step("reading", 1, 1, "checkpoint"))
 
     if budget_given:
         assert calibration is not None
@@ -179,21 +231,52 @@ def convert(
             budget = target_size - header_bytes(ckpt, vocab, output)
         else:
             budget = int(float(target_bpw or 0) * n_params / 8)
-        log("measuring each tensor's error under every type its rows allow")
-        plan = budgeted(shapes, budget, _error_model(ckpt, calibration, sensitivity, log))
+        probe_types = {
+            name: min(candidate_types(shape[-1]), key=lambda t: stored_bytes(shape, t))  # the largest effect
+            for name, shape in shapes.items()
+            if len(shape) == 2
+        }
+        klds = None
+        if calibration.probe is not None:
+            steps = hp.n_layer + 1  # the layers, then the head
+
+            def probed(done: int, share: float) -> None:
+                progress(Step("probing", done, steps, "layer", share))
+
+            probed(0, 0.0)
+            klds = output_klds(ckpt, calibration, probe_types, probed)
+        errors_of = _error_model(ckpt, calibration, probe_types, klds)
+        measured: list[str] = []
+
+        def errors_counted(name: str, types: list[QType]) -> dict[QType, float]:
+            errors = errors_of(name, types)
+            measured.append(name)
+            progress(Step("measuring", len(measured), len(probe_types), "tensor"))
+            return errors
+
+        progress(Step("measuring", 0, len(probe_types), "tensor"))
+        plan = budgeted(shapes, budget, errors_counted)
     else:
         assert uniform_type is not None
         plan = uniform(shapes, uniform_type)
 
-    log(f"writing {output}")
+    written: list[str] = []  # the tensors begun
+    values = 0  # the values quantized: what the time taken follows, more than the count of tensors
+
+    def quantize_counted(name: str, rows: np.ndarray, qtype: QType) -> np.ndarray:
+        nonlocal values
+        raw = quantize(rows, qtype, column_importance(calibration, name, rows.shape[1]))
+        if written[-1:] != [name]:
+            written.append(name)
+        values += rows.size
+        progress(Step("writing", len(written) - 1, len(shapes), "tensor", values / n_params))
+        return raw
+
+    progress(Step("writing", 0, len(shapes), "tensor", 0.0))
     size = write_gguf(
-        output,
-        ckpt,
-        vocab,
-        {n: c.qtype for n, c in plan.items()},
-        lambda n, rows, t: quantize(rows, t, column_importance(calibration, n, rows.shape[1])),
-        max_bytes=target_size,
+        output, ckpt, vocab, {n: c.qtype for n, c in plan.items()}, quantize_counted, max_bytes=target_size
     )
+    progress(Step("writing", len(shapes), len(shapes), "tensor"))
     report = ConversionReport(
         source=str(ckpt.folder),
         output=str(output),
@@ -207,31 +290,32 @@ def convert(
         peak_rss_bytes=peak_rss(),
     )
     if held_out is not None:
-        log("evaluating against the unquantized model")
+        progress(Step("evaluating", 0, 1, "model"))
         report.evaluation = _evaluate(ckpt, vocab, output, held_out)
+        progress(Step("evaluating", 1, 1, "model"))
     return report
 
 
 def _error_model(
-    ckpt: Checkpoint, calibration: Calibration, sensitivity: Sensitivity, log: Callable[[str], None]
+    ckpt: Checkpoint,
+    calibration: Calibration,
+    probe_types: Mapping[str, QType],
+    klds: Mapping[str, float] | None,
 ) -> Callable[[str, list[QType]], dict[QType, float]]:
-    """Each tensor's estimated error per type: its expected squared output error (``activation``),
-    scaled under ``kld`` by the measured output divergence per unit of that error."""
+    """Each matrix's estimated error per type: its expected squared output error, scaled when
+    ``klds`` were measured by the output divergence per unit of that error under its probe type."""
 
     def errors_of(name: str, types: list[QType]) -> dict[QType, float]:
-        weight = ckpt.weight(name)
-        importance = column_importance(calibration, name, weight.shape[1])
-        errors = estimate_errors(weight, importance, types)
+        shape = ckpt.shapes[name]
+        importance = column_importance(calibration, name, shape[1])
+        errors = estimate_errors(gather_rows(ckpt, name, error_sample(shape)), shape[0], importance, types)
         if name == TOKEN_EMBD and not ckpt.hparams.tied_embeddings:
             # A lookup table: each token reads one row, so a token sees the mean row error, not the sum.
-            errors = {t: e / len(weight) for t, e in errors.items()}
-        if calibration.probe is None:
+            errors = {t: e / shape[0] for t, e in errors.items()}
+        if klds is None:
             return errors
-        probe_type = min(types, key=lambda t: stored_bytes(weight.shape, t))  # the largest, most measurable effect
-        replaced = dequantize(quantize(weight, probe_type, importance), probe_type).reshape(weight.shape)
-        kld = max(output_kld(ckpt, calibration.probe, name, replaced), 0.0)  # rounding can dip below 0
-        slope = kld / errors[probe_type] if errors[probe_type] > 0 else 0.0
-        log(f"  {name}: KLD {kld:.2e} under {probe_type.name}")
+        probe_error = errors[probe_types[name]]
+        slope = klds[name] / probe_error if probe_error > 0 else 0.0
         return {t: slope * e for t, e in errors.items()}
 
     return errors_of

@@ -38,8 +38,10 @@ MIX_TYPES = (
     QType.Q3_K, QType.IQ4_XS, QType.Q4_K, QType.Q5_K, QType.Q6_K,
     QType.Q4_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.F16,
 )  # fmt: skip
-# Rows sampled to estimate a large matrix's error: enough for a stable mean, far cheaper than all.
-ERROR_SAMPLE_ROWS = 1024
+# The values sampled to estimate a large matrix's error: a stable mean, far cheaper than all of
+# them. At least MIN_SAMPLE_ROWS rows, so a wide matrix's estimate still spans many rows.
+ERROR_SAMPLE_VALUES = 1 << 19
+MIN_SAMPLE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -80,21 +82,24 @@ def candidate_types(n_cols: int) -> list[QType]:
     return [t for t in MIX_TYPES if row_type(t, n_cols) == t and available(t)]
 
 
-def estimate_errors(
-    weight: np.ndarray, importance: np.ndarray, types: list[QType], seed: int = 0
-) -> dict[QType, float]:
-    """Each type's expected squared output error on ``weight``: column ``j``'s squared weight error
-    times ``importance[j]``, the mean squared input it multiplies, summed (over sampled rows,
-    scaled to all)."""
-    rows = weight
-    if len(weight) > ERROR_SAMPLE_ROWS:
-        picked = np.random.default_rng(seed).choice(len(weight), ERROR_SAMPLE_ROWS, replace=False)
-        rows = weight[np.sort(picked)]
+def error_sample(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """The rows (sorted indices) whose errors stand for a matrix of ``shape``'s: all of a small one."""
+    n_rows, n_cols = shape
+    wanted = max(MIN_SAMPLE_ROWS, ERROR_SAMPLE_VALUES // n_cols)
+    if n_rows <= wanted:
+        return np.arange(n_rows)
+    return np.sort(np.random.default_rng(seed).choice(n_rows, wanted, replace=False))
+
+
+def estimate_errors(rows: np.ndarray, n_rows: int, importance: np.ndarray, types: list[QType]) -> dict[QType, float]:
+    """Each type's expected squared output error on a matrix of ``n_rows`` rows, from a sample of
+    them (``rows``, as ``error_sample`` picks): column ``j``'s squared weight error times
+    ``importance[j]``, the mean squared input it multiplies, summed, and scaled to all rows."""
     errors = {}
     for qtype in types:
         restored = dequantize(quantize(rows, qtype, importance), qtype).reshape(rows.shape)
         diff = (restored - rows).astype(np.float64)
-        errors[qtype] = float(np.einsum("ij,j->", diff * diff, importance)) * len(weight) / len(rows)
+        errors[qtype] = float(np.einsum("ij,j->", diff * diff, importance)) * n_rows / len(rows)
     return errors
 
 

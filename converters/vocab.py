@@ -1,15 +1,27 @@
 """The tokenizer half of a Hugging Face → GGUF conversion.
 
-Reads ``tokenizer.json`` (byte-level BPE) or ``tokenizer.model`` (SentencePiece) with the
-special tokens, BOS/EOS conventions and chat template from the files beside them, and names
-the llama.cpp pre-tokenizer that splits text the way ``tokenizer.json`` does. Where no
-llama.cpp pre-tokenizer or normalizer does what the Hugging Face tokenizer does, it says so
-instead of writing a GGUF that would tokenize differently.
+Reads the tokenizer with the special tokens, BOS/EOS conventions and chat template from the
+files beside it:
+
+- ``tokenizer.json`` with a byte-level BPE, naming the llama.cpp pre-tokenizer that splits text
+  the same way; or GPT-2's ``vocab.json`` and ``merges.txt``, where no ``tokenizer.json`` is;
+- ``tokenizer.model``, a SentencePiece BPE. One that normalizes text (the trainer's default
+  ``nmt_nfkc``) is converted with its rule recorded under ``edgeinfer.tokenizer.normalizer`` and
+  ``edgeinfer.tokenizer.remove_extra_whitespaces``, which edgeinfer's tokenizer applies and other
+  runtimes ignore;
+- ``tokenizer.json`` with a SentencePiece BPE (byte fallback, ``▁`` for spaces: Llama 2, Mistral,
+  Gemma) where no ``tokenizer.model`` is, as llama.cpp's SentencePiece tokenizer (``llama``);
+- ``tokenizer.json`` with a Unigram model, as llama.cpp's Unigram tokenizer (``t5``).
+
+Where llama.cpp cannot do what the Hugging Face tokenizer does, it says so instead of writing a
+GGUF that would tokenize differently.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +30,7 @@ from typing import Any
 from gguf import GGUFWriter, TokenType
 
 from edgeinfer.errors import ConversionError
+from edgeinfer.tokenizer import NORMALIZER_KEY, REMOVE_EXTRA_WHITESPACES_KEY
 
 # The regexes Hugging Face's pre-tokenizers split with, as tokenizer.json spells them.
 # ByteLevel(use_regex=True) splits with GPT-2's regex.
@@ -79,8 +92,13 @@ _PRE_BY_NAME = {p.name: p for p in PRE_TOKENIZERS}
 class Vocab:
     """A tokenizer as llama.cpp reads it from GGUF metadata.
 
-    ``model`` is ``gpt2`` (byte-level BPE, with ``merges`` and the pre-tokenizer ``pre``) or
-    ``llama`` (SentencePiece, with ``scores``). ``tokens`` has one entry per embedding row.
+    ``model`` is ``gpt2`` (byte-level BPE, with ``merges`` and the pre-tokenizer ``pre``),
+    ``llama`` (SentencePiece BPE, with ``scores``) or ``t5`` (Unigram, with ``scores`` and the
+    normalizer's ``precompiled_charsmap``). ``tokens`` has one entry per embedding row.
+    ``normalizer`` is the SentencePiece normalization rule that edgeinfer's tokenizer applies
+    before llama.cpp's (None: none). ``remove_extra_whitespaces``: whether leading, trailing and
+    repeated whitespace is dropped first, by llama.cpp's Unigram tokenizer for ``t5``, else by
+    edgeinfer's tokenizer with ``normalizer``.
     ``notes`` are one-line remarks for the user about differences that rarely matter.
     """
 
@@ -98,6 +116,9 @@ class Vocab:
     add_bos: bool = False
     add_eos: bool = False
     add_space_prefix: bool | None = None
+    precompiled_charsmap: bytes | None = None
+    normalizer: str | None = None
+    remove_extra_whitespaces: bool = False
     chat_template: str | list[dict[str, str]] | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -125,6 +146,13 @@ class Vocab:
         writer.add_add_eos_token(self.add_eos)
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
+        if self.precompiled_charsmap:
+            writer.add_precompiled_charsmap(self.precompiled_charsmap)
+        if self.model == "t5" and self.remove_extra_whitespaces:
+            writer.add_remove_extra_whitespaces(True)
+        if self.normalizer is not None:
+            writer.add_string(NORMALIZER_KEY, self.normalizer)
+            writer.add_bool(REMOVE_EXTRA_WHITESPACES_KEY, self.remove_extra_whitespaces)
         if self.chat_template is not None:
             writer.add_chat_template(self.chat_template)
 
@@ -154,21 +182,26 @@ def _read_vocab(hf_dir: Path, n_vocab: int, pre: str | None) -> Vocab:
     if pre is not None and pre not in _PRE_BY_NAME:
         raise ConversionError(f"unknown pre-tokenizer {pre!r}; choose one of {', '.join(_PRE_BY_NAME)}")
 
+    has_model = (hf_dir / "tokenizer.model").is_file()
+    model_type = (tokenizer_json or {}).get("model", {}).get("type")
     if tokenizer_json is not None and _is_byte_level_bpe(tokenizer_json):
         vocab = _byte_level_bpe(tokenizer_json, tokenizer_config, pre, n_vocab)
-    elif (hf_dir / "tokenizer.model").is_file():
-        if pre is not None:
-            raise ConversionError(
-                "--pre-tokenizer applies to byte-level BPE tokenizers; this one is SentencePiece, leave it out"
-            )
-        vocab = _sentencepiece(hf_dir, tokenizer_json, tokenizer_config, n_vocab)
-    elif tokenizer_json is not None:
-        raise ConversionError(_unsupported_model(tokenizer_json.get("model") or {}))
-    else:
+    elif tokenizer_json is None and (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
+        tokenizer_json = _gpt2_files(hf_dir, tokenizer_config)
+        vocab = _byte_level_bpe(tokenizer_json, tokenizer_config, pre or _pre_of_class(tokenizer_config), n_vocab)
+    elif tokenizer_json is None and not has_model:
         raise ConversionError(
-            f"no tokenizer in {hf_dir}: looked for tokenizer.json (byte-level BPE) and tokenizer.model "
-            "(SentencePiece); copy them from the model's repository"
+            f"no tokenizer in {hf_dir}: looked for tokenizer.json, tokenizer.model (SentencePiece) and "
+            "vocab.json with merges.txt (GPT-2); copy them from the model's repository"
         )
+    elif pre is not None:
+        raise ConversionError("--pre-tokenizer applies to byte-level BPE tokenizers; this one is not, leave it out")
+    elif has_model and model_type != "Unigram":
+        vocab = _sentencepiece(hf_dir, tokenizer_json, tokenizer_config, n_vocab)
+    elif model_type == "Unigram":
+        vocab = _unigram_json(tokenizer_json, tokenizer_config, n_vocab)
+    else:
+        vocab = _sentencepiece_bpe_json(tokenizer_json, tokenizer_config, n_vocab)
 
     _set_special_tokens(vocab, hf_dir, tokenizer_json, tokenizer_config)
     vocab.chat_template = _chat_template(hf_dir, tokenizer_config)
@@ -197,9 +230,7 @@ def _byte_level_bpe(
     model = tokenizer_json["model"]
     notes = _check_normalizer(tokenizer_json.get("normalizer"))
     name = pre or _identify_pre_tokenizer(tokenizer_json, tokenizer_config)
-    pieces: list[str | None] = [None] * (max(model["vocab"].values(), default=-1) + 1)
-    for text, token_id in model["vocab"].items():
-        pieces[token_id] = text
+    pieces = _pieces_by_id(model["vocab"])
     vocab = Vocab(model="gpt2", tokens=[], token_types=[TokenType.NORMAL] * len(pieces), pre=name, notes=notes)
     # Byte-level tokens never hold a space (GPT-2's alphabet maps it to Ġ), so a space separates a pair.
     vocab.merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
@@ -293,16 +324,297 @@ def _check_normalizer(normalizer: Mapping[str, Any] | None) -> list[str]:
     )
 
 
-def _unsupported_model(model: Mapping[str, Any]) -> str:
-    if model.get("type") == "BPE" and model.get("byte_fallback"):
-        return (
-            "tokenizer.json is a SentencePiece-style BPE (byte fallback), which edgeinfer converts from "
-            "tokenizer.model; add the checkpoint's tokenizer.model to the folder"
+# --- GPT-2's vocab.json and merges.txt ---------------------------------------------------------
+
+# The pre-tokenizer transformers gives each tokenizer class that reads vocab.json and merges.txt.
+_PRE_OF_CLASS = {"GPT2Tokenizer": "gpt-2", "Qwen2Tokenizer": "qwen2"}
+
+
+def _tokenizer_class(tokenizer_config: Mapping[str, Any]) -> str:
+    """The transformers tokenizer class tokenizer_config.json names, without "Fast"; "" if none."""
+    return str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
+
+
+def _pre_of_class(tokenizer_config: Mapping[str, Any]) -> str:
+    name = _tokenizer_class(tokenizer_config)
+    if name not in _PRE_OF_CLASS:
+        raise ConversionError(
+            f"vocab.json and merges.txt belong to tokenizer class {name or '(none in tokenizer_config.json)'}, "
+            f"whose pre-tokenizer edgeinfer does not know; if you know a llama.cpp pre-tokenizer that splits text "
+            f"the same way, pass --pre-tokenizer NAME (one of {', '.join(_PRE_BY_NAME)})"
         )
-    return (
-        f"tokenizer.json holds a {model.get('type', 'unknown')} model without GPT-2 byte-level pre-tokenization; "
-        "edgeinfer converts byte-level BPE (tokenizer.json) and SentencePiece BPE (tokenizer.model) tokenizers"
+    return _PRE_OF_CLASS[name]
+
+
+def _gpt2_files(hf_dir: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The tokenizer.json transformers builds from vocab.json and merges.txt: their BPE, the special
+    tokens tokenizer_config.json names and added_tokens.json's tokens as added tokens, and Qwen2's
+    NFC normalizer."""
+    if tokenizer_config.get("add_prefix_space"):
+        raise ConversionError(
+            "tokenizer_config.json sets add_prefix_space (a space before every text), which llama.cpp's "
+            "byte-level BPE does not add; this tokenizer cannot be converted faithfully"
+        )
+    vocab = _read_json(hf_dir / "vocab.json")
+    lines = (hf_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [line for n, line in enumerate(lines) if line and not (n == 0 and line.startswith("#version"))]
+    for merge in merges:
+        if merge.count(" ") != 1:
+            raise ConversionError(f"merges.txt has {merge!r}, not a pair 'A B'; download it again")
+    named = [tokenizer_config.get(f"{kind}_token") for kind in ("bos", "eos", "unk", "pad")]
+    named += tokenizer_config.get("additional_special_tokens") or []
+    texts = {entry.get("content") if isinstance(entry, dict) else entry for entry in named}
+    added = [{"id": vocab[text], "content": text, "special": True} for text in texts if text in vocab]
+    added += [
+        {"id": token_id, "content": text, "special": False}
+        for text, token_id in (_read_json(hf_dir / "added_tokens.json") or {}).items()
+    ]
+    return {
+        "model": {"type": "BPE", "vocab": vocab, "merges": merges},
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"} if _tokenizer_class(tokenizer_config) == "Qwen2Tokenizer" else None,
+    }
+
+
+# --- SentencePiece in tokenizer.json -----------------------------------------------------------
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+_SPACE = "\u2581"  # ▁, SentencePiece's mark for a space
+
+
+@dataclass(frozen=True)
+class _Whitespace:
+    """How a SentencePiece-style tokenizer.json marks spaces, as llama.cpp's keys say it."""
+
+    add_space_prefix: bool
+    charsmap: bytes | None  # a Precompiled normalizer's table (Unigram only)
+    fold: bool  # leading, trailing and repeated spaces dropped (Unigram only)
+    split: bool  # Metaspace splits the text into words at each ▁
+    first_only: bool  # Metaspace puts a ▁ before the text, but not after a special token
+    notes: list[str]
+
+
+# How transformers' SpmConverter writes SentencePiece's remove_extra_whitespaces for a Unigram.
+_FOLDING = [
+    {"type": "Strip", "strip_left": False, "strip_right": True},
+    {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": _SPACE},
+]
+
+
+def _sentencepiece_whitespace(tokenizer_json: Mapping[str, Any], *, unigram: bool) -> _Whitespace:
+    """Accepts what llama.cpp's SentencePiece and Unigram tokenizers do: each space made ▁, one ▁
+    before the text or none; for a Unigram also a precompiled normalizer and whitespace folding,
+    which llama.cpp's Unigram tokenizer applies too.
+
+    transformers writes that as a Prepend and Replace normalizer (Llama 2; Gemma's, without Prepend,
+    is followed by a split at spaces, which there are none left of) or as a Metaspace pre-tokenizer
+    (Mistral; Unigrams, after Precompiled, Strip and Replace normalizers); anything else is refused.
+    """
+    normalizer, pre_tokenizer = tokenizer_json.get("normalizer"), tokenizer_json.get("pre_tokenizer")
+    steps, pre_steps = _flatten(normalizer, "normalizers"), _flatten(pre_tokenizer, "pretokenizers")
+    charsmap = None
+    if unigram and steps and steps[0].get("type") == "Precompiled":
+        charsmap = base64.b64decode(steps[0].get("precompiled_charsmap") or "") or None
+        steps = steps[1:]
+    if all(step.get("type") == "Split" and step.get("pattern") == {"String": " "} for step in pre_steps):
+        prepend = steps[:1] == [{"type": "Prepend", "prepend": _SPACE}]
+        if steps[int(prepend) :] == [{"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}]:
+            return _Whitespace(prepend, charsmap, fold=False, split=False, first_only=False, notes=[])
+    elif len(pre_steps) == 1 and pre_steps[0].get("type") == "Metaspace":
+        metaspace = pre_steps[0]
+        scheme = metaspace.get("prepend_scheme") or ("always" if metaspace.get("add_prefix_space", True) else "never")
+        fold = unigram and steps == _FOLDING
+        if (not steps or fold) and metaspace.get("replacement") == _SPACE and scheme in ("always", "first", "never"):
+            notes = []
+            if scheme != "never" and not fold:  # folded, a leading space is dropped by both
+                notes.append(
+                    "tokenizer.json's Metaspace puts no ▁ before text that starts with a space and llama.cpp does: "
+                    "such text may tokenize differently"
+                )
+            if fold and scheme == "never":
+                notes.append(
+                    "tokenizer.json puts no ▁ before the text and llama.cpp's Unigram tokenizer, folding whitespace, "
+                    "does: the first word may tokenize differently"
+                )
+            split = bool(metaspace.get("split", True))
+            return _Whitespace(scheme != "never", charsmap, fold, split, first_only=scheme == "first", notes=notes)
+    raise ConversionError(
+        f"tokenizer.json normalizes text with {_describe(normalizer)} and pre-tokenizes it with "
+        f"{_describe(pre_tokenizer)}; llama.cpp only makes each space ▁ (with one before the text, or none)"
+        f"{', after a precompiled normalizer and folding whitespace as SentencePiece does' if unigram else ''}, "
+        "so this tokenizer cannot be converted faithfully"
     )
+
+
+def _check_words_unsplit(whitespace: _Whitespace, normal: set[str]) -> None:
+    """Metaspace's split tokenizes each word on its own, llama.cpp the whole text: the same only
+    while no normal token holds a ▁ that does not start it."""
+    if not whitespace.split:
+        return
+    inside = next((p for p in sorted(normal) if _SPACE in p[1:]), None)
+    if inside is not None:
+        raise ConversionError(
+            f"tokenizer.json's Metaspace splits the text into words at each ▁ (split=true), but the token "
+            f"{inside!r} holds a ▁ after its start; llama.cpp does not split, so this tokenizer cannot be "
+            "converted faithfully"
+        )
+
+
+def _sentencepiece_bpe_json(
+    tokenizer_json: Mapping[str, Any], tokenizer_config: Mapping[str, Any], n_vocab: int
+) -> Vocab:
+    """A SentencePiece BPE as transformers writes it to tokenizer.json.
+
+    llama.cpp's SentencePiece tokenizer merges, of all adjacent pairs that spell a token, the one
+    whose token scores highest; Hugging Face's BPE applies the lowest-ranked merge. A token scores
+    minus the rank of its first merge, so the two agree when the merges are SentencePiece's, as
+    transformers writes them: every split of a token into two tokens is a merge, and a token's
+    merges are consecutive. Merges that are not (a BPE trained by Hugging Face's trainer) are refused;
+    a token's merges scattered among others' are noted.
+    """
+    model = tokenizer_json["model"]
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        raise ConversionError(
+            f"tokenizer.json holds a {model.get('type', 'unknown')} model that is neither a byte-level BPE, a "
+            "SentencePiece-style BPE (byte fallback) nor a Unigram, which are what llama.cpp tokenizes like "
+            "Hugging Face; this tokenizer cannot be converted"
+        )
+    pieces = _pieces_by_id(model["vocab"])
+    whitespace = _sentencepiece_whitespace(tokenizer_json, unigram=False)
+    unk = model.get("unk_token")
+    types = [
+        TokenType.BYTE if p and _BYTE_PIECE.fullmatch(p) else TokenType.UNKNOWN if p == unk else TokenType.NORMAL
+        for p in pieces
+    ]
+    # llama.cpp falls back to <0xXX>, or to the byte itself (Gemma has "\t" where <0x09> was).
+    known = set(pieces)
+    missing = [b for b in range(256) if f"<0x{b:02X}>" not in known and not (b < 0x80 and chr(b) in known)]
+    if missing:
+        raise ConversionError(
+            f"tokenizer.json falls back to bytes but lacks {len(missing)} of the byte tokens <0x00>..<0xFF> "
+            f"(<0x{missing[0]:02X}> first), which llama.cpp's SentencePiece tokenizer needs; fix the tokenizer files"
+        )
+    added = _added_tokens(tokenizer_json, tokenizer_config, None)
+    normal = _normal_pieces(pieces, types, added)
+    _check_words_unsplit(whitespace, normal)
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    first_rank, notes = _check_sentencepiece_merges(pieces, normal, merges)
+    vocab = Vocab(
+        model="llama",
+        tokens=[],
+        token_types=types,
+        scores=[-float(first_rank[p]) if p in first_rank else 0.0 for p in pieces],
+        add_space_prefix=whitespace.add_space_prefix,
+        notes=whitespace.notes + notes,
+    )
+    vocab.tokens = _token_list(vocab, pieces, added, n_vocab)
+    if whitespace.add_space_prefix:
+        vocab.notes += _space_after_special(added, tokenizer_config, whitespace.first_only)
+    return vocab
+
+
+def _check_sentencepiece_merges(
+    pieces: Sequence[str | None], normal: set[str], merges: Sequence[tuple[str, ...]]
+) -> tuple[dict[str, int], list[str]]:
+    """The rank of each token's first merge, after checking that the merges are SentencePiece's
+    (see _sentencepiece_bpe_json), and a note where a token's merges are not consecutive (pieces of
+    equal score, which transformers may interleave); only merges into ``normal`` tokens count."""
+    known = {p for p in pieces if p is not None}
+    first_rank: dict[str, int] = {}
+    scattered = None
+    made = None
+    for rank, (left, right) in enumerate(merges):
+        token = left + right
+        if token not in normal or token == made:
+            continue
+        if token in first_rank:
+            scattered = scattered or token
+        else:
+            first_rank[token] = rank
+        made = token
+    merge_set = set(merges)
+    for token in sorted(normal):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            # llama.cpp merges two symbols, each a token or a single character, whenever they spell a token.
+            symbols = (left in known or cut == 1) and (right in known or cut == len(token) - 1)
+            if symbols and (left, right) not in merge_set:
+                raise ConversionError(
+                    f"tokenizer.json's BPE has no merge {left!r} + {right!r} though they spell the token "
+                    f"{token!r}; llama.cpp's SentencePiece tokenizer merges any two pieces that spell a token "
+                    "and would tokenize differently, so convert from the checkpoint's tokenizer.model"
+                )
+    if scattered is None:
+        return first_rank, []
+    note = (
+        f"tokenizer.json's merges that make {scattered!r} (and maybe others) are not consecutive and llama.cpp ranks "
+        "a merge by the token it makes: words where they compete may tokenize differently"
+    )
+    return first_rank, [note]
+
+
+def _unigram_json(tokenizer_json: Mapping[str, Any], tokenizer_config: Mapping[str, Any], n_vocab: int) -> Vocab:
+    """A Unigram tokenizer.json as llama.cpp's Unigram tokenizer (T5's): the same Viterbi search over
+    the pieces' scores, an unknown token for characters without a piece, a precompiled normalizer."""
+    model = tokenizer_json["model"]
+    if model.get("byte_fallback"):
+        raise ConversionError(
+            "tokenizer.json's Unigram falls back to bytes for unknown characters and llama.cpp's Unigram tokenizer "
+            "puts its unknown token there; this tokenizer cannot be converted faithfully"
+        )
+    unk_id = model.get("unk_id")
+    if not isinstance(unk_id, int):
+        raise ConversionError(
+            "tokenizer.json's Unigram has no unknown token (unk_id), which llama.cpp's Unigram tokenizer gives "
+            "characters no piece spells; set unk_id in tokenizer.json"
+        )
+    pieces: list[str | None] = [str(piece) for piece, _ in model["vocab"]]
+    whitespace = _sentencepiece_whitespace(tokenizer_json, unigram=True)
+    types = [TokenType.UNKNOWN if i == unk_id else TokenType.NORMAL for i in range(len(pieces))]
+    added = _added_tokens(tokenizer_json, tokenizer_config, None)
+    _check_words_unsplit(whitespace, _normal_pieces(pieces, types, added))
+    vocab = Vocab(
+        model="t5",
+        tokens=[],
+        token_types=types,
+        scores=[float(score) for _, score in model["vocab"]],
+        add_space_prefix=whitespace.add_space_prefix,
+        precompiled_charsmap=whitespace.charsmap,
+        remove_extra_whitespaces=whitespace.fold,
+        unk_id=unk_id,
+        notes=list(whitespace.notes),
+    )
+    vocab.tokens = _token_list(vocab, pieces, added, n_vocab)
+    if whitespace.add_space_prefix:
+        vocab.notes += _space_after_special(added, tokenizer_config, whitespace.first_only)
+    return vocab
+
+
+def _normal_pieces(pieces: Sequence[str | None], types: Sequence[TokenType], added: Sequence[_AddedToken]) -> set[str]:
+    """The pieces the model itself tokenizes text into: not bytes, unknown or added tokens."""
+    added_ids = {token.id for token in added}
+    return {p for i, p in enumerate(pieces) if p and types[i] == TokenType.NORMAL and i not in added_ids}
+
+
+def _pieces_by_id(vocab: Mapping[str, int]) -> list[str | None]:
+    """A tokenizer.json BPE vocabulary as a list by id; None where no token has the id."""
+    pieces: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for text, token_id in vocab.items():
+        pieces[token_id] = text
+    return pieces
+
+
+def _space_after_special(
+    added: Sequence[_AddedToken], tokenizer_config: Mapping[str, Any], first_only: bool
+) -> list[str]:
+    """A note where transformers puts no ▁ after a special token (legacy=False, or Metaspace's
+    prepend_scheme "first") and llama.cpp's SentencePiece-style tokenizers do."""
+    if any(token.special for token in added) and (tokenizer_config.get("legacy") is False or first_only):
+        return [
+            "transformers (legacy=False) puts no ▁ before the text after a special token and llama.cpp does: "
+            "text right after a special token may tokenize differently"
+        ]
+    return []
 
 
 # --- SentencePiece (tokenizer.model) ----------------------------------------------------------
@@ -320,21 +632,23 @@ def _sentencepiece(
     if not proto.pieces:
         raise ConversionError(f"{hf_dir / 'tokenizer.model'} is not a SentencePiece model; download it again")
     trainer, normalizer = proto.trainer_spec, proto.normalizer_spec
-    # llama.cpp's SentencePiece tokenizer merges by score (BPE), escapes spaces as ▁, falls back to
-    # <0xXX> byte pieces, and applies no other normalization.
+    rule = normalizer.name or "identity"
+    # llama.cpp's SentencePiece tokenizer merges by score (BPE), escapes spaces as ▁ and falls back to
+    # <0xXX> byte pieces; the normalization before it, if any, is edgeinfer's tokenizer's (see Vocab).
     problem = None
     if trainer.model_type != spm_model.TrainerSpec.BPE:
         problem = f"is a {spm_model.TrainerSpec.ModelType.Name(trainer.model_type).lower()} model, not BPE"
     elif not trainer.byte_fallback:
         problem = "has no byte fallback (the <0x00>..<0xFF> pieces)"
-    elif normalizer.name not in ("identity", "") or normalizer.precompiled_charsmap:
-        problem = f"normalizes text ({normalizer.name})"
-    elif normalizer.remove_extra_whitespaces:
-        problem = "collapses repeated whitespace (remove_extra_whitespaces)"
     elif not normalizer.escape_whitespaces or trainer.treat_whitespace_as_suffix:
         problem = "does not mark word starts with ▁"
     if problem:
         raise ConversionError(f"tokenizer.model {problem}, which llama.cpp's SentencePiece tokenizer cannot reproduce")
+    if rule not in _SENTENCEPIECE_RULES or (rule == "identity" and normalizer.precompiled_charsmap):
+        raise ConversionError(
+            f"tokenizer.model normalizes text with the rule {rule!r}; edgeinfer applies nmt_nfkc (SentencePiece's "
+            "default) or none, so this tokenizer cannot be converted faithfully"
+        )
 
     piece_type = spm_model.ModelProto.SentencePiece.Type
     vocab = Vocab(
@@ -353,12 +667,38 @@ def _sentencepiece(
     vocab.tokens = _token_list(vocab, [p.piece for p in proto.pieces], added, n_vocab)
     pre_steps = _flatten((tokenizer_json or {}).get("pre_tokenizer"), "pretokenizers")
     first_only = any(step.get("prepend_scheme") == "first" for step in pre_steps)
-    if any(token.special for token in added) and (tokenizer_config.get("legacy") is False or first_only):
-        vocab.notes.append(
-            "transformers (legacy=False) puts no ▁ before the text after a special token and llama.cpp does: "
-            "text right after a special token may tokenize differently"
-        )
+    vocab.notes += _space_after_special(added, tokenizer_config, first_only)
+    if rule != "identity" or normalizer.remove_extra_whitespaces:
+        vocab.normalizer, vocab.remove_extra_whitespaces = rule, normalizer.remove_extra_whitespaces
+        vocab.notes += _normalizer_notes(spm_model, rule, normalizer)
     return vocab
+
+
+# The SentencePiece normalization rules edgeinfer's tokenizer applies: none, and the trainer's default.
+_SENTENCEPIECE_RULES = ("identity", "nmt_nfkc")
+
+
+def _normalizer_notes(spm_model: Any, rule: str, normalizer: Any) -> list[str]:
+    """What the user should know of a SentencePiece normalizer (``rule``, and ``normalizer``'s
+    whitespace folding) that only edgeinfer applies."""
+    done = ["nmt_nfkc: NFKC, line breaks and tabs made spaces"] if rule == "nmt_nfkc" else []
+    done += ["whitespace folded"] if normalizer.remove_extra_whitespaces else []
+    notes = [
+        f"tokenizer.model normalizes text before tokenizing ({'; '.join(done)}); edgeinfer applies that, as "
+        f"recorded under {NORMALIZER_KEY}, but llama.cpp, Ollama and other runtimes ignore the key and tokenize "
+        "text it changes differently"
+    ]
+    if rule != "identity":
+        import sentencepiece
+
+        builtin = spm_model.ModelProto()
+        builtin.ParseFromString(sentencepiece.SentencePieceNormalizer(rule_name=rule).serialized_model_proto())
+        if builtin.normalizer_spec.precompiled_charsmap != normalizer.precompiled_charsmap:
+            notes.append(
+                f"tokenizer.model's {rule} table differs from the one sentencepiece "
+                f"{sentencepiece.__version__} applies: some rare characters may normalize differently"
+            )
+    return notes
 
 
 def _sentencepiece_model_format() -> Any:

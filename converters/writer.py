@@ -15,10 +15,11 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 
 from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.output import scratch
+from edgeinfer.converters.rows import row_blocks
 from edgeinfer.converters.vocab import Vocab
 from edgeinfer.errors import ConversionError
 from edgeinfer.files import replace_durably
-from edgeinfer.models.arch import HParams
+from edgeinfer.models.arch import ROPE_BASE_SWA, HParams, swa_pattern_layers
 
 QType = GGMLQuantizationType
 Quantizer = Callable[[str, np.ndarray, QType], np.ndarray]
@@ -72,6 +73,15 @@ def add_hparams(writer: GGUFWriter, hp: HParams) -> None:
     if hp.head_dim != hp.n_embd // hp.n_head:
         writer.add_key_length(hp.head_dim)
         writer.add_value_length(hp.head_dim)
+    # What llama.cpp would otherwise take from its built-in defaults is written only where it differs.
+    if hp.sliding_window:
+        writer.add_sliding_window(hp.sliding_window)
+        if hp.swa_layers != swa_pattern_layers(hp.arch.swa_pattern, hp.n_layer):
+            writer.add_sliding_window_pattern(list(hp.swa_layers))
+        if hp.rope_base_swa != ROPE_BASE_SWA:
+            writer.add_rope_freq_base_swa(hp.rope_base_swa)
+    if hp.logit_softcap:
+        writer.add_final_logit_softcapping(hp.logit_softcap)
 
 
 def header_bytes(ckpt: Checkpoint, vocab: Vocab, output: Path) -> int:
@@ -117,8 +127,14 @@ def write_gguf(
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for name, shape in ckpt.shapes.items():
-                data = quantize(name, ckpt.weight(name).reshape(-1, shape[-1]), types[name])
-                writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+                # Block by block, so a vocabulary-sized matrix is never whole in memory as float32.
+                data = np.empty(tensor_bytes(shape, types[name]), np.uint8)
+                at = 0
+                for rows in row_blocks(ckpt, name):
+                    block = np.ascontiguousarray(quantize(name, rows.reshape(-1, shape[-1]), types[name]))
+                    data[at : at + block.nbytes] = block.view(np.uint8).reshape(-1)
+                    at += block.nbytes
+                writer.write_tensor_data(data)
         finally:
             writer.close()
         size = tmp.stat().st_size

@@ -6,6 +6,14 @@ token ids llama.cpp would, pre-tokenizer quirks included.
 Any thread may call it, also while another closes it: the native vocabulary is used
 and freed under one lock, so a call after ``close()`` is a clear error, never a
 freed pointer.
+
+A SentencePiece model that normalizes text before tokenizing (the trainer's default
+``nmt_nfkc``: NFKC, control characters dropped, line breaks and tabs made spaces, and
+whitespace folded) is converted with its rule in two GGUF keys that llama.cpp ignores:
+``edgeinfer.tokenizer.normalizer`` (the rule's name) and
+``edgeinfer.tokenizer.remove_extra_whitespaces`` (whether leading and trailing whitespace
+is dropped and runs of it become one space). This tokenizer applies them, with
+sentencepiece's own normalizer, before llama.cpp tokenizes, so its ids are SentencePiece's.
 """
 
 from __future__ import annotations
@@ -14,11 +22,21 @@ import contextlib
 import ctypes
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 
-from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError, EdgeInferError, InvalidOptionError
+from edgeinfer.errors import (
+    NATIVE_LOAD_ERRORS,
+    BackendUnavailableError,
+    EdgeInferError,
+    InvalidModelError,
+    InvalidOptionError,
+)
+
+# The SentencePiece normalization a converted GGUF asks for (see the module's docstring).
+NORMALIZER_KEY = "edgeinfer.tokenizer.normalizer"
+REMOVE_EXTRA_WHITESPACES_KEY = "edgeinfer.tokenizer.remove_extra_whitespaces"
 
 
 class Tokenizer:
@@ -45,6 +63,9 @@ class Tokenizer:
         self._add_eos = bool(self._lib.llama_vocab_get_add_eos(self._vocab))
         self._pieces: dict[int, bytes] = {}
         self._ends: dict[int, bool] = {}
+        self._normalize = _sentencepiece_normalizer(
+            self._meta(NORMALIZER_KEY), self._meta(REMOVE_EXTRA_WHITESPACES_KEY) == "true", path
+        )
 
     def encode(
         self,
@@ -74,6 +95,8 @@ class Tokenizer:
             return tokens + ([self.eos_id] if add_special and self._add_eos else [])
 
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        if self._normalize is not None:
+            text = self._normalized(text, self._normalize, parse_special)
         data = text.encode("utf-8")
         capacity = len(data) + 2
         buf = (ctypes.c_int32 * capacity)()
@@ -83,6 +106,18 @@ class Tokenizer:
             buf = (ctypes.c_int32 * capacity)()
             n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
+
+    def _normalized(self, text: str, normalize: Callable[[str], str], parse_special: bool) -> str:
+        """``text`` as the model's SentencePiece normalizer leaves it. Parsing special tokens, each
+        stretch between two is normalized on its own, as transformers does, so folding whitespace
+        never eats into a marker or joins the text on either side of one."""
+        if not parse_special:
+            return normalize(text)
+        pieces, done = [], 0
+        for found in self._markers.finditer(text):
+            pieces += [normalize(text[done : found.start()]), found.group()]
+            done = found.end()
+        return "".join(pieces) + normalize(text[done:])
 
     def _split_forged(self, text: str, literal: Sequence[tuple[int, int]]) -> Iterator[tuple[str, bool]]:
         """``text`` in pieces, each with whether to parse markers in it; a marker that reaches into a
@@ -163,6 +198,15 @@ class Tokenizer:
                 raise _closed()
             yield
 
+    def _meta(self, key: str) -> str | None:
+        """The GGUF metadata value under ``key`` as text, None if the file has no such key."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
     def _render(self, token: int, *, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(64)
         n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
@@ -181,6 +225,27 @@ class Tokenizer:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
             self.close()
+
+
+def _sentencepiece_normalizer(rule: str | None, fold_whitespace: bool, path: str | Path) -> Callable[[str], str] | None:
+    """The text normalization a GGUF's SentencePiece model applied before tokenizing, None if none.
+
+    Only the rule and the whitespace folding: the ▁ before the text and for each space are llama.cpp's.
+    """
+    if rule is None:
+        return None
+    import sentencepiece  # a dependency, imported only for the models that need it
+
+    try:
+        normalizer = sentencepiece.SentencePieceNormalizer(
+            rule_name=rule, add_dummy_prefix=False, escape_whitespaces=False, remove_extra_whitespaces=fold_whitespace
+        )
+    except (RuntimeError, ValueError):  # a rule this sentencepiece does not know (NOT_FOUND, INVALID_ARGUMENT)
+        raise InvalidModelError(
+            f"{path} asks for text normalized with {rule!r} ({NORMALIZER_KEY}), a rule sentencepiece "
+            f"{sentencepiece.__version__} does not know; run: pip install -U sentencepiece"
+        ) from None
+    return normalizer.normalize
 
 
 def _closed() -> EdgeInferError:

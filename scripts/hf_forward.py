@@ -1,8 +1,11 @@
 """A numpy forward pass over a Hugging Face checkpoint, in HF's own tensor layout and conventions.
 
-It reads safetensors as HF writes them and computes as transformers' LlamaForCausalLM and
-Qwen2ForCausalLM do: RoPE by rotating halves (``rotate_half``), grouped-query attention by
-repeating KV heads, RMSNorm, a SiLU-gated MLP, q/k/v biases where the checkpoint has them.
+It reads safetensors as HF writes them and computes as transformers' LlamaForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM and Gemma3ForCausalLM do: RoPE by rotating halves
+(``rotate_half``) with Llama 3's frequency scaling where configured, grouped-query attention by
+repeating KV heads, RMSNorm, a gated MLP, q/k/v biases where the checkpoint has them, per-head
+Q/K norms (Qwen3, Gemma 3), and Gemma 3's ways: norms that scale by ``1 + w``, a scaled
+embedding, norms after attention and MLP, sliding-window layers with their own RoPE base.
 It shares no code with ``edgeinfer.models.reference`` (which works in GGUF's layout), and
 computes in float64, so a disagreement with llama.cpp is llama.cpp's rounding or a conversion error.
 
@@ -69,17 +72,24 @@ def read_checkpoint(folder: str | Path) -> tuple[dict[str, Any], dict[str, np.nd
 
 
 def hf_forward(
-    checkpoint: str | Path | Mapping[str, np.ndarray], config: Mapping[str, Any] | None, tokens: Sequence[int]
+    checkpoint: str | Path | Mapping[str, np.ndarray],
+    config: Mapping[str, Any] | None,
+    tokens: Sequence[int],
+    *,
+    f16_gelu: bool = False,
 ) -> np.ndarray:
     """Logits ``(len(tokens), vocab_size)`` in float64 for ``tokens`` from position 0.
 
     ``checkpoint`` is an HF folder (``config`` None reads its config.json) or tensors by HF name.
+    ``f16_gelu`` computes GELU with the float16 rounding of llama.cpp's CPU backend (``gelu_f16_table``),
+    the one place llama.cpp's F32 arithmetic departs from float64 by more than float32 rounding.
     """
     if not isinstance(checkpoint, Mapping):
         folder_config, checkpoint = read_checkpoint(checkpoint)
         config = config or folder_config
     assert config is not None
     tensors = checkpoint
+    gemma = config["architectures"][0].startswith("Gemma")
 
     def w(name: str) -> np.ndarray:
         return tensors[name].astype(np.float64)
@@ -88,35 +98,103 @@ def hf_forward(
         y = x @ w(prefix + ".weight").T
         return y + w(prefix + ".bias") if prefix + ".bias" in tensors else y
 
+    def norm(x: np.ndarray, name: str) -> np.ndarray:
+        weight = w(name)
+        return rms_norm(x, 1 + weight if gemma else weight, eps)  # Gemma's RMSNorm scales by 1 + w
+
     n_head = config["num_attention_heads"]
     n_kv_head = config.get("num_key_value_heads") or n_head
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     eps = config["rms_norm_eps"]
-    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]  # transformers 5 moved it
+    act = ACTIVATIONS[config.get("hidden_activation") or config.get("hidden_act", "silu")]
+    if f16_gelu and act is gelu_tanh:
+        act = gelu_f16_table
+    scale = (config["query_pre_attn_scalar"] if gemma else head_dim) ** -0.5
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if gemma and (i + 1) % config.get("sliding_window_pattern", 6) else "full_attention"
+        for i in range(config["num_hidden_layers"])
+    ]
 
     n = len(tokens)
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    angles = np.outer(np.arange(n), inv_freq)
-    cos, sin = np.cos(np.concatenate([angles, angles], axis=-1)), np.sin(np.concatenate([angles, angles], axis=-1))
-    causal = np.triu(np.full((n, n), -np.inf), 1)
+    rope = {kind: rope_cos_sin(params, head_dim, n) for kind, params in rope_parameters(config).items()}
+    distance = np.subtract.outer(np.arange(n), np.arange(n))  # query position - key position
+    masks = {
+        "full_attention": np.where(distance >= 0, 0.0, -np.inf),
+        "sliding_attention": np.where((distance >= 0) & (distance < (config.get("sliding_window") or n)), 0.0, -np.inf),
+    }
 
     x = w("model.embed_tokens.weight")[np.asarray(tokens)]
-    for layer in range(config["num_hidden_layers"]):
+    if gemma:
+        x = x * math.sqrt(config["hidden_size"])
+    for layer, kind in enumerate(layer_types):
         p = f"model.layers.{layer}."
-        h = rms_norm(x, w(p + "input_layernorm.weight"), eps)
+        cos, sin = rope[kind]
+        h = norm(x, p + "input_layernorm.weight")
         q = linear(h, p + "self_attn.q_proj").reshape(n, n_head, head_dim).transpose(1, 0, 2)  # (head, n, d)
         k = linear(h, p + "self_attn.k_proj").reshape(n, n_kv_head, head_dim).transpose(1, 0, 2)
         v = linear(h, p + "self_attn.v_proj").reshape(n, n_kv_head, head_dim).transpose(1, 0, 2)
+        if p + "self_attn.q_norm.weight" in tensors:  # Qwen3 and Gemma 3 normalize each head's q and k
+            q, k = norm(q, p + "self_attn.q_norm.weight"), norm(k, p + "self_attn.k_norm.weight")
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, n_head // n_kv_head, axis=0), np.repeat(v, n_head // n_kv_head, axis=0)
-        scores = q @ k.transpose(0, 2, 1) / math.sqrt(head_dim) + causal
-        attended = (softmax(scores) @ v).transpose(1, 0, 2).reshape(n, n_head * head_dim)
-        x = x + linear(attended, p + "self_attn.o_proj")
-        h = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)
-        x = x + linear(silu(linear(h, p + "mlp.gate_proj")) * linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
-    x = rms_norm(x, w("model.norm.weight"), eps)
-    head = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
-    return x @ w(head).T
+        scores = q @ k.transpose(0, 2, 1) * scale + masks[kind]
+        attended = linear(
+            (softmax(scores) @ v).transpose(1, 0, 2).reshape(n, n_head * head_dim), p + "self_attn.o_proj"
+        )
+        if gemma:
+            x = x + norm(attended, p + "post_attention_layernorm.weight")
+            h = norm(x, p + "pre_feedforward_layernorm.weight")
+        else:
+            x = x + attended
+            h = norm(x, p + "post_attention_layernorm.weight")
+        mlp = linear(act(linear(h, p + "mlp.gate_proj")) * linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+        x = x + (norm(mlp, p + "post_feedforward_layernorm.weight") if gemma else mlp)
+    x = norm(x, "model.norm.weight")
+    head = "model.embed_tokens.weight" if config.get("tie_word_embeddings", gemma) else "lm_head.weight"
+    logits = x @ w(head).T
+    if cap := config.get("final_logit_softcapping"):
+        logits = np.tanh(logits / cap) * cap
+    return logits
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """RoPE's base and scaling for each kind of layer, from either config style: transformers 5's
+    ``rope_parameters`` (flat, or by layer kind) or transformers 4's ``rope_theta`` and ``rope_scaling``
+    (with Gemma 3's ``rope_local_base_freq`` for its sliding-window layers)."""
+    if params := config.get("rope_parameters"):
+        if "full_attention" in params:
+            return dict(params)
+        return {"full_attention": params, "sliding_attention": params}
+    full = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000.0)}
+    local = {"rope_theta": config.get("rope_local_base_freq", full["rope_theta"])}
+    return {"full_attention": full, "sliding_attention": local}
+
+
+def rope_cos_sin(params: Mapping[str, Any], head_dim: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``(n, head_dim)`` of each position's angles, as transformers' rotary embedding computes them."""
+    inv_freq = 1.0 / params["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, params)
+    elif kind == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif kind != "default":
+        raise NotImplementedError(f"RoPE type {kind!r}")
+    angles = np.outer(np.arange(n), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def llama3_inv_freq(inv_freq: np.ndarray, params: Mapping[str, Any]) -> np.ndarray:
+    """Llama 3.1's frequencies: long wavelengths slowed by ``factor``, short ones kept, a smooth blend between."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return np.where(
+        wavelen < old_context / high, inv_freq, np.where(wavelen > old_context / low, inv_freq / factor, blended)
+    )
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:
@@ -130,6 +208,21 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gelu_f16_table(x: np.ndarray) -> np.ndarray:
+    """GELU as llama.cpp's CPU backend computes it (ggml's ``GGML_GELU_FP16``): looked up in a float16
+    table by the input rounded to float16, and exact (0 or x) outside (-10, 10). On a Gemma 3 model
+    its rounding moves the logits by about 1e-4 of their size."""
+    table = gelu_tanh(x.astype(np.float16).astype(np.float64)).astype(np.float16).astype(np.float64)
+    return np.where(x <= -10, 0.0, np.where(x >= 10, x, table))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Small Hugging Face tokenizers, trained in the test on the text below, written as a checkpoint's
-tokenizer files: byte-level BPE (``tokenizer.json``, configured as a model family ships it) and
-SentencePiece BPE with byte fallback (``tokenizer.model``), each with ``tokenizer_config.json``.
+tokenizer files, each with ``tokenizer_config.json``: byte-level BPE (``tokenizer.json`` configured
+as a model family ships it, or GPT-2's ``vocab.json`` and ``merges.txt``), SentencePiece BPE with
+byte fallback (``tokenizer.model``, or the ``tokenizer.json`` transformers makes of it), and Unigram
+(``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Literal
 
 import sentencepiece
 from gguf import GGUFReader, TokenType
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from sentencepiece import sentencepiece_model_pb2
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 BytePre = Literal["qwen2", "smollm", "llama-bpe", "gpt-2"]
 
@@ -151,10 +154,22 @@ def write_smollm2_from_gguf(folder: Path, gguf_path: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def write_sentencepiece(folder: Path, vocab_size: int = 512) -> None:
+def write_sentencepiece(
+    folder: Path,
+    vocab_size: int = 512,
+    *,
+    normalization: Literal["identity", "nmt_nfkc", "nfkc"] = "identity",
+    fold_whitespace: bool | None = None,
+    add_dummy_prefix: bool = True,
+) -> None:
     """A SentencePiece BPE with byte fallback trained on CORPUS, set up like Llama 2's (no
     normalization, a ▁ before the first word, BOS on every text), plus the ChatML markers as added
-    tokens after its vocabulary, the way fine-tunes add them (in tokenizer_config.json)."""
+    tokens after its vocabulary, the way fine-tunes add them (in tokenizer_config.json).
+
+    ``normalization="nmt_nfkc"`` keeps the trainer's defaults instead: NFKC with SentencePiece's
+    extra rules, and whitespace folded (remove_extra_whitespaces), as every rule but identity
+    does unless ``fold_whitespace`` says otherwise.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
@@ -163,8 +178,9 @@ def write_sentencepiece(folder: Path, vocab_size: int = 512) -> None:
         vocab_size=vocab_size,
         model_type="bpe",
         byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
+        normalization_rule_name=normalization,
+        remove_extra_whitespaces=normalization != "identity" if fold_whitespace is None else fold_whitespace,
+        add_dummy_prefix=add_dummy_prefix,
         split_digits=True,
         allow_whitespace_only_pieces=True,
         minloglevel=2,
@@ -184,3 +200,129 @@ def write_sentencepiece(folder: Path, vocab_size: int = 512) -> None:
         "chat_template": CHATML,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+SpmJsonStyle = Literal["llama", "mistral", "gemma"]
+
+
+def write_sentencepiece_json(folder: Path, style: SpmJsonStyle, vocab_size: int = 768) -> Tokenizer:
+    """The tokenizer.json transformers' LlamaConverter makes of write_sentencepiece's model, which is
+    then removed, as repositories that ship only tokenizer.json are. Returns the Hugging Face tokenizer.
+
+    ``llama`` marks spaces as Llama 2's does (a Prepend and a Replace normalizer), ``mistral`` with a
+    Metaspace pre-tokenizer that prepends ▁ to the first text only (legacy=False), ``gemma`` as
+    GemmaConverter does: a Replace normalizer, a split at spaces (none are left), no ▁ before the
+    text (the model is trained without one), and "\t" in place of the byte piece <0x09>.
+    """
+    write_sentencepiece(folder, vocab_size, add_dummy_prefix=style != "gemma")
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((folder / "tokenizer.model").read_bytes())
+    (folder / "tokenizer.model").unlink()
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    if style == "gemma":
+        pieces = [("\t" if piece == "<0x09>" else piece, score) for piece, score in pieces]
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    tokenizer = Tokenizer(
+        models.BPE(vocab, _sentencepiece_merges(pieces, vocab), unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    space = "\u2581"
+    if style == "mistral":
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="first", split=False)
+    elif style == "llama":
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    else:
+        tokenizer.normalizer = normalizers.Replace(" ", space)
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in CHATML_SPECIALS[1:]])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    del config["added_tokens_decoder"]  # tokenizer.json holds them now
+    config["legacy"] = style != "mistral"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return tokenizer
+
+
+def _sentencepiece_merges(pieces: list[tuple[str, float]], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges transformers writes for a SentencePiece BPE's ``pieces`` and their scores: every
+    split of a piece into two pieces, the best-scoring piece's first (transformers' generate_merges)."""
+    merges = []
+    for piece, score in pieces:
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))]
+        local = sorted(
+            (pair for pair in splits if pair[0] in vocab and pair[1] in vocab),
+            key=lambda pair: (vocab[pair[0]], vocab[pair[1]]),
+        )
+        merges += [(left, right, score) for left, right in local]
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def write_bpe_trained_with_byte_fallback(folder: Path, vocab_size: int = 768) -> Tokenizer:
+    """A BPE with byte fallback and Llama 2's ▁ marks, but trained by Hugging Face's trainer: its merges
+    are its own, not SentencePiece's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return tokenizer
+
+
+def write_unigram(folder: Path, *, nmt_nfkc: bool = False, fold: bool = False, vocab_size: int = 600) -> Tokenizer:
+    """A Unigram trained on CORPUS with a Metaspace pre-tokenizer, as transformers converts
+    SentencePiece Unigrams; ``nmt_nfkc`` normalizes text first with SentencePiece's default rules
+    (a Precompiled normalizer), ``fold`` folds whitespace as transformers writes SentencePiece's
+    remove_extra_whitespaces (T5's tokenizer.json does both). Returns the Hugging Face tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.Unigram())
+    steps = []
+    if nmt_nfkc:
+        spec = sentencepiece_model_pb2.ModelProto()
+        spec.ParseFromString(sentencepiece.SentencePieceNormalizer(rule_name="nmt_nfkc").serialized_model_proto())
+        steps.append(normalizers.Precompiled(spec.normalizer_spec.precompiled_charsmap))
+    if fold:
+        steps += [normalizers.Strip(left=False, right=True), normalizers.Replace(Regex(" {2,}"), "\u2581")]
+    if steps:
+        tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tokenizer.token_to_id("</s>"))]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return tokenizer
+
+
+def write_gpt2_files(folder: Path, *, pre: Literal["gpt-2", "qwen2"]) -> Tokenizer:
+    """write_byte_level_bpe's tokenizer saved the way GPT-2 and Qwen2 repositories also ship it:
+    vocab.json and merges.txt, the specials in tokenizer_config.json, the class named there.
+    tokenizer.json is removed; the Hugging Face tokenizer is returned."""
+    write_byte_level_bpe(folder, pre=pre)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").unlink()
+    tokenizer.model.save(str(folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "GPT2Tokenizer" if pre == "gpt-2" else "Qwen2TokenizerFast"
+    config["added_tokens_decoder"] = {
+        str(tokenizer.token_to_id(text)): {"content": text, "special": True} for text in CHATML_SPECIALS
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return tokenizer

@@ -405,3 +405,132 @@ def test_float_hyperparameters_the_loader_would_refuse_are_refused_by_name(tmp_p
     convert(hf, tmp_path / "m.gguf", qtype="f16")
     hparams = load_model_info(tmp_path / "m.gguf").hparams  # what the converter accepts, the loader does
     assert hparams.rope_base == 1e6 and hparams.rms_eps == pytest.approx(1.0001e-12, rel=1e-6)
+
+
+# Variables by which rich is told, whatever the stream is, that it is or is not a terminal.
+RICH_TERMINAL_OVERRIDES = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+
+
+def test_cli_convert_reports_its_stages_in_plain_lines_off_a_terminal(tmp_path, wide_hf, monkeypatch):
+    from click.testing import CliRunner
+
+    from edgeinfer.cli import _ConversionProgress, cli
+
+    monkeypatch.setattr(_ConversionProgress, "PLAIN_EVERY_S", 0.0)  # a line for every step, not one a half-minute
+    for name in RICH_TERMINAL_OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "mix.gguf"
+    args = ["convert", str(wide_hf), "-o", str(out), "--target-bpw", "5", "--calib", str(CALIB), "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["file_bytes"] == out.stat().st_size  # stdout holds the report alone
+    assert "\r" not in result.stderr and "\x1b" not in result.stderr  # no cursor movement, no colour: a log
+    lines = result.stderr.splitlines()
+    stages = [line.split(":")[0] for line in lines]
+    assert list(dict.fromkeys(stages)) == ["reading", "calibrating", "probing", "measuring", "writing"]
+    n_matrices = 1 + 2 * 7  # the tied embedding and two layers of seven
+    for stage, unit, total in [
+        ("calibrating", "layer", 2),
+        ("probing", "layer", 3),  # the head counts as one more
+        ("measuring", "tensor", n_matrices),
+        ("writing", "tensor", n_matrices + 1 + 2 * 2),  # and the norms
+    ]:
+        assert f"{stage}: {unit} 0 of {total}" in lines
+        assert any(line.startswith(f"{stage}: {unit} {total} of {total}, done in ") for line in lines)
+    between = [line for line in lines if line.startswith("measuring: tensor 7 of")]
+    assert between and between[0].endswith(" left") and " so far, about " in between[0]
+
+
+def test_cli_convert_draws_progress_bars_on_a_terminal(tmp_path, wide_hf):
+    import pty
+
+    out = tmp_path / "mix.gguf"
+    terminal, its_end = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "edgeinfer", "convert", str(wide_hf), "-o", str(out), "--target-bpw", "5"]
+        + ["--calib", str(CALIB), "--sensitivity", "activation", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=its_end,
+        env={**{k: v for k, v in os.environ.items() if k not in RICH_TERMINAL_OVERRIDES}, "TERM": "xterm-256color"},
+    )
+    os.close(its_end)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(terminal, 1 << 16)
+        except OSError:  # EIO: the child has closed its end
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    stdout, _ = child.communicate(timeout=120)
+    os.close(terminal)
+    assert child.returncode == 0, drawn.decode(errors="replace")
+    assert json.loads(stdout)["file_bytes"] == out.stat().st_size
+    screen = drawn.decode(errors="replace")
+    assert "\x1b[" in screen  # redrawn in place
+    for stage in ("reading", "calibrating", "measuring", "writing"):
+        assert stage in screen
+    assert "probing" not in screen  # --sensitivity activation measures no divergence
+    assert "left" in screen and "tensor 20 of 20" in screen  # the count of each bar, and the time left
+
+
+def test_vocabulary_matrices_are_read_in_blocks_and_written_the_same(tmp_path, monkeypatch):
+    from edgeinfer.converters import rows
+    from edgeinfer.converters.checkpoint import Checkpoint
+
+    hf = tmp_path / "hf"
+    write_tiny_hf(hf, dtype="bf16", tied=False)
+    convert(hf, tmp_path / "whole.gguf", qtype="q4_0")  # each matrix of this model fits in one block
+    ckpt = Checkpoint(hf)
+    monkeypatch.setattr(rows, "BLOCK_BYTES", 3 * 4 * 128)  # three rows of 128 float32
+    for name in (rows.TOKEN_EMBD, rows.OUTPUT):
+        whole = ckpt.weight(name)
+        blocks = list(rows.row_blocks(ckpt, name))
+        assert len(blocks) == -(-len(whole) // 3) and np.array_equal(np.concatenate(blocks), whole)
+        picked = [5, 0, 5, len(whole) - 1, 17, 18, 200]
+        assert np.array_equal(rows.gather_rows(ckpt, name, picked), whole[picked])
+    convert(hf, tmp_path / "blocks.gguf", qtype="q4_0")
+    assert (tmp_path / "blocks.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
+
+
+def test_output_klds_measure_vocabulary_matrices_exactly_and_share_out_layers_closely(tmp_path, monkeypatch):
+    from edgeinfer.converters import rows
+    from edgeinfer.converters.calibrate import calibrate, column_importance, output_klds
+    from edgeinfer.converters.checkpoint import Checkpoint
+    from edgeinfer.converters.quantize import dequantize, quantize
+    from edgeinfer.logits import log_softmax
+    from edgeinfer.models.reference import Transformer
+
+    hf = tmp_path / "hf"
+    write_tiny_hf(hf, tied=False)
+    ckpt = Checkpoint(hf)
+    hp = ckpt.hparams
+    tokens = np.random.default_rng(0).integers(0, hp.n_vocab, 96).tolist()
+    calib = calibrate(ckpt, tokens, ctx=48, probe_tokens=32)
+    assert calib.probe is not None
+    probe_types = {name: QType.Q4_0 for name, shape in ckpt.shapes.items() if len(shape) == 2}
+    klds = output_klds(ckpt, calib, probe_types)
+    assert set(klds) == set(probe_types)
+
+    # What quantizing each matrix alone does to the whole model's output, run in full.
+    weights = {name: ckpt.weight(name) for name in ckpt.shapes}
+    base = log_softmax(Transformer(hp, weights).head(calib.probe.layer_inputs[-1]))
+
+    def divergence(replaced: str) -> float:
+        w = weights[replaced]
+        importance = column_importance(calib, replaced, w.shape[1])
+        model = Transformer(hp, {**weights, replaced: dequantize(quantize(w, QType.Q4_0, importance), QType.Q4_0)})
+        x = model.embed(calib.probe.tokens)
+        for layer in range(hp.n_layer):
+            x = model.block(layer, x, np.arange(len(x)))
+        logprobs = log_softmax(model.head(x))
+        return float(np.mean(np.sum(np.exp(base) * (base - logprobs), axis=1)))
+
+    for name in probe_types:
+        if name in (rows.TOKEN_EMBD, rows.OUTPUT):  # measured as such
+            assert klds[name] == pytest.approx(divergence(name), rel=1e-3)
+        else:  # shared out from its group's run by the layer's squared change: 0.83 to 1.16 of it here
+            assert 1 / 1.5 < klds[name] / divergence(name) < 1.5, name
+    monkeypatch.setattr(rows, "BLOCK_BYTES", 7 * 4 * 128)  # the head a few rows at a time
+    assert output_klds(ckpt, calib, probe_types) == pytest.approx(klds, rel=1e-6)
