@@ -119,6 +119,12 @@ class Backend(Protocol):
         ...
 
     @property
+    def can_truncate(self) -> bool:
+        """Whether ``truncate`` and ``copy_prefix`` work at any position. False where a recurrent state has
+        absorbed every token it saw: such a sequence can only be emptied (``truncate(seq, 0)``) or copied whole."""
+        ...
+
+    @property
     def n_vocab(self) -> int:
         """Length of a row of logits."""
         ...

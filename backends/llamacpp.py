@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import re
 import signal
 import threading
 from collections import deque
@@ -105,8 +106,26 @@ def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, devi
             lib.llama_model_free(model)
         raise KeyboardInterrupt
     if not model:
-        raise BackendError(f"llama.cpp could not load {path}: {last_log_lines() or 'no reason given'}")
+        raise _load_error(Path(path).name)
     return model
+
+
+_LOAD_ERROR = re.compile(r"error loading model: (?:error loading model \w+: )?(.*)")
+_UNKNOWN_ARCH = re.compile(r"unknown model architecture: '(.*)'")
+
+
+def _load_error(name: str) -> BackendError:
+    """llama.cpp's reason for refusing a file, in one line: its own message where it logged one."""
+    lines = list(_recent_log)
+    reason = next((m[1] for line in reversed(lines) if (m := _LOAD_ERROR.search(line))), None)
+    if reason is None:
+        return BackendError(f"llama.cpp could not load {name}: {last_log_lines() or 'no reason given'}")
+    if unknown := _UNKNOWN_ARCH.search(reason):
+        return BackendError(
+            f"{name}: the installed llama.cpp (llama-cpp-python {llama_cpp.__version__}) does not run the "
+            f"'{unknown[1]}' architecture; a newer llama-cpp-python may (pip install -U llama-cpp-python)"
+        )
+    return BackendError(f"llama.cpp could not load {name}: {reason}")
 
 
 class _Ggml:
@@ -242,6 +261,11 @@ class LlamaCppBackend:
         self._row_view = np.empty(0, np.float32)
         self._model = self._load(info, options)
         try:
+            if lib.llama_model_has_encoder(self._model):  # BERT-like embedders, and T5 which needs llama_encode
+                raise BackendError(
+                    f"{info.path.name} is an encoder model ({info.architecture}); edgeinfer runs decoder-only "
+                    "text generators"
+                )
             params = lib.llama_context_default_params()
             params.n_ctx = options.kv_tokens
             # One decode step carries a token of each sequence, and llama.cpp aborts the process when
@@ -251,6 +275,10 @@ class LlamaCppBackend:
             params.n_batch = params.n_ubatch = self._batch_size
             params.n_seq_max = options.n_seq
             params.kv_unified = True  # one pool of cells for all sequences: the KV budget is one total
+            # Sliding-window layers (Gemma 3's local attention) keep every position too, not just their
+            # window: the cache can then be truncated and shifted like any other, and the budget's
+            # bytes per token are the same for every layer. llama.cpp's default; set so it stays so.
+            params.swa_full = True
             params.n_threads = params.n_threads_batch = options.threads
             params.type_k = params.type_v = getattr(lib, self._KV_GGML_TYPES[options.kv_type])
             # A quantized V cache only works with flash attention.
@@ -266,9 +294,18 @@ class LlamaCppBackend:
             if not self._ctx:
                 raise BackendError(f"llama.cpp could not create a context: {last_log_lines() or 'no reason given'}")
             self._memory = lib.llama_get_memory(self._ctx)
+            if not self._memory:  # llama.cpp gives a model that attends both ways (BERT) no cache
+                raise BackendError(
+                    f"{info.path.name} ({info.architecture}) is an embedding model that keeps no KV cache; "
+                    "edgeinfer runs text generators"
+                )
             self._capacity = lib.llama_n_ctx(self._ctx)
             self._n_seq = options.n_seq
-            self._can_shift = bool(lib.llama_memory_can_shift(self._memory))
+            # A recurrent state (Mamba, RWKV; the recurrent layers of a hybrid) cannot give back tokens it took
+            # in, though llama.cpp calls shifting its positions possible.
+            recurrent = lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model)
+            self._can_truncate = not recurrent
+            self._can_shift = bool(lib.llama_memory_can_shift(self._memory)) and not recurrent
             self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
             self._batch = lib.llama_batch_init(self._batch_size, 0, 1)
             for i in range(self._batch_size):
@@ -299,6 +336,10 @@ class LlamaCppBackend:
     @property
     def can_shift(self) -> bool:
         return self._can_shift
+
+    @property
+    def can_truncate(self) -> bool:
+        return self._can_truncate
 
     @property
     def n_vocab(self) -> int:

@@ -3,7 +3,8 @@
 It is the ground truth, not a fast path: float32 weights (about 4x the file size of a Q4
 model in RAM) and numpy's BLAS threads. Keys and values are cached in float16, as llama.cpp's
 default cache stores them, or in float32, in one pool of cells that sequences share as
-llama.cpp's unified cache does.
+llama.cpp's unified cache does. Sliding-window layers keep every position's keys too (llama.cpp
+drops those that left the window): each query sees only its window of them.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
-from gguf import MODEL_TENSOR
 
 from edgeinfer.errors import BackendError, BackendUnavailableError
-from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
-from edgeinfer.models.reference import Transformer, attention, gguf_weights
+from edgeinfer.models.reference import Transformer, attention, causal, gguf_weights
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
 from .base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
@@ -33,10 +32,13 @@ class ReferenceBackend:
 
     @classmethod
     def supports(cls, info: ModelInfo) -> str | None:
-        if info.hparams.rope_scaling != "none" or any(
-            t.name == tensor_name(MODEL_TENSOR.ROPE_FREQS) for t in info.tensors
-        ):
-            return f"{info.path.name} scales RoPE for a longer context, which the reference backend does not do"
+        if not info.hparams.arch.reference:
+            return f"the reference backend does not implement the {info.architecture} architecture"
+        if info.hparams.rope_scaling != "none":  # Llama 3's frequency factors (rope_freqs.weight) it does apply
+            return (
+                f"{info.path.name} scales RoPE for a longer context ({info.hparams.rope_scaling}), "
+                "which the reference backend does not do"
+            )
         return None
 
     @classmethod
@@ -81,6 +83,10 @@ class ReferenceBackend:
         return True
 
     @property
+    def can_truncate(self) -> bool:
+        return True
+
+    @property
     def n_vocab(self) -> int:
         return self._n_vocab
 
@@ -119,7 +125,9 @@ class ReferenceBackend:
         ]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """The ``KVCache`` side: store the new keys in their cells; each sequence attends to its own cells."""
+        """The ``KVCache`` side: store the new keys in their cells; each sequence attends to its own cells
+        (a sequence's cells are its positions 0, 1, ...), within the layer's sliding window if it has one."""
+        window = self.model.hp.window(layer)
         out = np.empty_like(q)
         for seq, rows, cells in self._pending:
             self._k[layer, cells] = k[rows]
@@ -127,9 +135,8 @@ class ReferenceBackend:
             held = self._cells[seq]
             keys = self._k[layer, held].astype(np.float32)
             values = self._v[layer, held].astype(np.float32)
-            past = len(held) - (rows.stop - rows.start)
-            visible = np.arange(len(held))[None, :] <= past + np.arange(rows.stop - rows.start)[:, None]
-            out[rows] = attention(q[rows], keys, values, visible)
+            n = rows.stop - rows.start
+            out[rows] = attention(q[rows], keys, values, causal(n, len(held) - n, window))
         return out
 
     def truncate(self, seq: int, n: int) -> None:
@@ -150,7 +157,7 @@ class ReferenceBackend:
         # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
         back = np.full(len(kept), start - end)
         for layer in range(self.model.hp.n_layer):
-            self._k[layer, kept] = self.model.rope(self._k[layer, kept].astype(np.float32), back)
+            self._k[layer, kept] = self.model.rope(self._k[layer, kept].astype(np.float32), back, layer)
         del held[start:end]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:

@@ -51,6 +51,19 @@ CHATML_TEMPLATE = (
 )
 
 
+# Used when a model ships no template and has no ChatML tokens either: a base model, which knows
+# no turns but continues a plain transcript well enough. The next "User:" line ends its answer.
+TRANSCRIPT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% else %}{{ message['role'] | capitalize + ': ' + message['content'] + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+TRANSCRIPT_STOPS = ("\nUser:",)
+CHATML_MARKER = "<|im_start|>"
+
+
 # The most text a conversation's messages may hold, all together: far beyond any KV budget
 # of an edge model, and a bound on what a caller can make us hold.
 MAX_CONTENT_CHARS = 1_000_000
@@ -99,9 +112,13 @@ class ChatTemplate:
     the rendered text is tokenized with special-token parsing, so do not add BOS again.
     """
 
-    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
-        self.source = source or CHATML_TEMPLATE
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "", chatml: bool = True) -> None:
+        """``source`` None or blank: ChatML, or where the vocabulary has no ChatML tokens (``chatml`` false),
+        a plain transcript whose answers end where the next user line would start (``stops``)."""
         self.is_default = source is None or not source.strip()
+        self.is_transcript = self.is_default and not chatml
+        self.source = TRANSCRIPT_TEMPLATE if self.is_transcript else source or CHATML_TEMPLATE
+        self.stops: tuple[str, ...] = TRANSCRIPT_STOPS if self.is_transcript else ()
         self._bos_token = bos_token
         self._eos_token = eos_token
 

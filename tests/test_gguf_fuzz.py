@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValue, GGUFValueType
 from gguf_mutate import Field, layout, limit_files, mutants, validate
+from llamacpp_archs import write_tiny_granite
 from native_load import load_in_llamacpp
 from tiny_model import BPE_MERGES, CHATML_SPECIALS, SPM_PIECES, gpt2_byte_symbols, write_tiny_gguf
 
@@ -34,11 +35,13 @@ EXPECTED_NATIVE_REFUSALS = ("unknown pre-tokenizer type", "NaN or infinite logit
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two small valid models: llama with a BPE vocabulary and Q8_0 weights; qwen2 with SentencePiece, f32, untied."""
+    """Three small valid models: llama with a BPE vocabulary and Q8_0 weights; qwen2 with SentencePiece, f32,
+    untied; granite, which edgeinfer leaves to llama.cpp and checks by gguf-py's tables alone."""
     tmp = tmp_path_factory.mktemp("bases")
     return {
         "bpe": write_tiny_gguf(tmp / "bpe.gguf", arch="llama", tokenizer="gpt2", tensor_type="Q8_0", **SMALL),
         "spm": write_tiny_gguf(tmp / "spm.gguf", arch="qwen2", tokenizer="llama", tied=False, **SMALL),
+        "granite": write_tiny_granite(tmp / "granite.gguf", tensor_type="Q8_0", **SMALL),
     }
 
 
@@ -262,7 +265,7 @@ METADATA: list[tuple[str, str, dict, str]] = [
         "architecture not a string",
         "gpt2",
         {"general.architecture": array(["llama"], GGUFValueType.STRING)},
-        "architecture ['llama'] is not supported",
+        "'general.architecture' = ['llama'] is not an architecture name",
     ),
     ("alignment", "gpt2", {"general.alignment": u32(48)}, "general.alignment is 48, not a power of two"),
     (

@@ -9,6 +9,7 @@ import pytest
 
 from edgeinfer import Engine
 from edgeinfer.models.arch import layer_tensors
+from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.reference import Transformer
 
 from support import JAPAN, evaluate
@@ -47,10 +48,41 @@ def test_agrees_with_llamacpp_as_closely_as_llamacpp_agrees_with_itself(engine, 
     engine.reset()
     ours = reference.logits(tokens)
     assert np.isfinite(ours).all()
+    assert_agrees_as_llamacpp_with_itself(batched, one_by_one, ours)
+    assert top1(batched, ours) >= 0.93
+
+
+def assert_agrees_as_llamacpp_with_itself(batched: np.ndarray, one_by_one: np.ndarray, ours: np.ndarray) -> None:
+    """The criterion for a quantized file: the reference's logits are no further (KLD) from either of llama.cpp's
+    two paths, batched and one token at a time, than twice the paths are from each other."""
     llamacpp_self = kld(batched, one_by_one)
     assert kld(batched, ours) < max(2 * llamacpp_self, 0.002)
     assert kld(one_by_one, ours) < max(2 * llamacpp_self, 0.002)
-    assert top1(batched, ours) >= 0.93
+
+
+def test_gemma3_270m_agrees_with_llamacpp_as_closely_as_llamacpp_agrees_with_itself():
+    """The criterion above, on Gemma 3 270M Q4_K_M (its K-quants and Q5_0 also multiply 8-bit activations),
+    over 48 tokens: its 262k-token head makes each slow. The reference evaluates 40 at once, then 8
+    through its cache, sliding-window layers and global ones alike."""
+    path = resolve_model("gemma3-270m")
+    with Engine(path, kv_budget="256tok", threads=2) as engine:
+        tokens = engine.tokenize(TEXT)[:48]
+        batched = engine.logits(tokens)
+        engine.reset()
+        one_by_one = np.stack([evaluate(engine.backend, [t], i).copy() for i, t in enumerate(tokens)])
+    with Engine(path, backend="reference", kv_budget="256tok", threads=2) as reference:
+        rows = [evaluate(reference.backend, tokens[:40], 0, all_logits=True)]
+        rows += [evaluate(reference.backend, [t], i)[None] for i, t in enumerate(tokens[40:], 40)]
+    ours = np.concatenate(rows)
+    assert np.isfinite(ours).all()
+    # Measured (AVX2): llama.cpp against itself KLD 4.4e-3, top-1 94%; the reference 4.6e-3 and 96%.
+    assert_agrees_as_llamacpp_with_itself(batched, one_by_one, ours)
+    # Over 48 tokens one near-tie is 2% of top-1; every token ranked first differently is one, as
+    # llama.cpp's two paths split some too (measured: the leader 0.002 to 0.15 logits ahead).
+    assert top1(batched, ours) >= 0.9
+    differ = np.flatnonzero(batched.argmax(axis=1) != ours.argmax(axis=1))
+    leads = batched[differ, batched.argmax(axis=1)[differ]] - batched[differ, ours.argmax(axis=1)[differ]]
+    assert (leads < 0.25).all(), leads
 
 
 def test_generates_the_same_greedy_answer(reference):

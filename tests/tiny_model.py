@@ -4,8 +4,9 @@
 generates. Tensor names and shapes come from ``edgeinfer.models.arch.expected_tensors``, so
 the file is exactly what the architecture tables describe. Weights are seeded normal(0, 0.02)
 and RMS norm weights 1 + normal(0, 0.1), so logits are finite and differ from token to token;
-norm weights and qwen2's Q/K/V biases are random too, so a reference implementation that
-drops either disagrees with llama.cpp.
+norm weights (Q/K and post-norms included) and qwen2's Q/K/V biases are random too, so a
+reference implementation that drops either disagrees with llama.cpp. Llama 3's RoPE frequency
+factors (``rope_freqs=True``) are drawn from 1 to 8, the range its long-context scaling uses.
 
 Two tokenizers, as llama.cpp knows them:
 
@@ -26,13 +27,21 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValue, GGUFWriter, Keys, TokenType
+from gguf import MODEL_TENSOR, GGMLQuantizationType, GGUFValue, GGUFWriter, Keys, TokenType
 from gguf.quants import quantize
 
 from edgeinfer.converters.writer import add_hparams
-from edgeinfer.models.arch import ARCHITECTURES, HParams, expected_tensors
+from edgeinfer.models.arch import (
+    ARCHITECTURES,
+    ROPE_BASE_SWA,
+    HParams,
+    expected_tensors,
+    swa_pattern_layers,
+    tensor_name,
+)
 
 TensorType = Literal["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+ArchName = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 TokenizerModel = Literal["gpt2", "llama"]
 
 CHATML = (
@@ -100,7 +109,7 @@ def _add_spm_vocab(writer: GGUFWriter) -> int:
 def write_tiny_gguf(
     path: str | Path,
     *,
-    arch: Literal["llama", "mistral", "qwen2"] = "llama",
+    arch: ArchName = "llama",
     tensor_type: TensorType = "F32",
     tokenizer: TokenizerModel = "gpt2",
     add_vocab: Callable[[GGUFWriter], int] | None = None,
@@ -109,9 +118,15 @@ def write_tiny_gguf(
     n_embd: int = 128,
     n_head: int = 2,
     n_head_kv: int = 1,
+    head_dim: int | None = None,
     n_ff: int = 256,
     n_ctx: int = 512,
     tied: bool = True,
+    rope_freqs: bool = False,
+    sliding_window: int = 0,
+    swa_layers: tuple[bool, ...] | None = None,
+    rope_base_swa: float = ROPE_BASE_SWA,
+    logit_softcap: float = 0.0,
     metadata: Mapping[str, GGUFValue | None] | None = None,
 ) -> Path:
     """Write a small valid GGUF model to ``path`` and return the path.
@@ -120,7 +135,11 @@ def write_tiny_gguf(
     as llama.cpp's converter writes them. Quantized types need ``n_embd`` and ``n_ff`` to be
     multiples of 32. ``add_vocab(writer)``, if given, writes the tokenizer keys (chat template
     included) instead of ``tokenizer`` and returns the vocabulary size. ``tied=False`` adds a
-    separate ``output.weight``. ``metadata`` replaces, adds (a ``GGUFValue``) or drops (``None``)
+    separate ``output.weight``. ``head_dim`` defaults to ``n_embd // n_head``. ``rope_freqs`` adds
+    Llama 3's RoPE frequency factors (llama and mistral). ``sliding_window`` (gemma3) makes the layers
+    ``swa_layers`` flags (by default the architecture's pattern) attend within that window, rotating
+    with ``rope_base_swa``; ``logit_softcap`` (gemma3) caps the logits. ``metadata`` replaces, adds
+    (a ``GGUFValue``) or drops (``None``)
     keys last, for tests of malformed files; the tensors still follow the arguments, and the
     length of a replaced token list.
     """
@@ -140,12 +159,17 @@ def write_tiny_gguf(
         n_layer=n_layer,
         n_head=n_head,
         n_head_kv=n_head_kv,
-        head_dim=n_embd // n_head,
+        head_dim=head_dim or n_embd // n_head,
         n_ff=n_ff,
         n_ctx_train=n_ctx,
-        rope_base=1_000_000.0 if arch == "qwen2" else 10_000.0,
-        rms_eps=1e-6 if arch == "qwen2" else 1e-5,
+        rope_base=10_000.0 if arch in ("llama", "mistral") else 1_000_000.0,
+        rms_eps=1e-5 if arch in ("llama", "mistral") else 1e-6,
         tied_embeddings=tied,
+        rope_freqs=rope_freqs,
+        sliding_window=sliding_window,
+        swa_layers=(swa_layers or swa_pattern_layers(spec.swa_pattern, n_layer)) if sliding_window else (),
+        rope_base_swa=rope_base_swa,
+        logit_softcap=logit_softcap,
     )
     add_hparams(writer, hp)
 
@@ -163,6 +187,8 @@ def write_tiny_gguf(
         numpy_shape = tuple(reversed(shape))  # ggml lists the fastest dimension first
         if len(shape) == 1 and name.endswith("norm.weight"):
             writer.add_tensor(name, (1 + rng.standard_normal(numpy_shape) * 0.1).astype(np.float32))
+        elif name == tensor_name(MODEL_TENSOR.ROPE_FREQS):
+            writer.add_tensor(name, rng.uniform(1, 8, numpy_shape).astype(np.float32))
         elif len(shape) == 1:
             writer.add_tensor(name, (rng.standard_normal(numpy_shape) * 0.02).astype(np.float32))
         else:

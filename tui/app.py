@@ -338,7 +338,7 @@ class ChatApp(App[None]):
         self._refresh_kv()
         self._note(
             f"Loaded {engine.model_path.name} on {engine.backend.name} in {message.seconds:.1f} s: "
-            f"KV cache {engine.capacity} tokens ({self.settings.kv_policy}), "
+            f"KV cache {engine.capacity} tokens ({engine.kv_policy.name}), "
             f"{engine.threads} thread{'s' if engine.threads > 1 else ''}."
         )
 
@@ -455,7 +455,7 @@ class ChatApp(App[None]):
                     f"temperature  {s.temperature}",
                     f"max tokens   {s.max_tokens}",
                     f"KV budget    {s.kv_budget}",
-                    f"KV policy    {s.kv_policy}",
+                    f"KV policy    {s.kv_policy or 'the default'}",
                     f"threads      {s.threads or 'the free cores'}",
                 ]
             )

@@ -46,7 +46,7 @@ class ChatSettings:
     temperature: float = _SAMPLING.temperature
     max_tokens: int = _SAMPLING.max_tokens
     kv_budget: str = DEFAULT_KV_BUDGET
-    kv_policy: str = "sinks"
+    kv_policy: str | None = None  # None: the engine's default (sinks, or error where the cache cannot drop tokens)
     route: str = "local"
     cloud_url: str | None = None  # default: $EDGEINFER_CLOUD_URL
     cloud_model: str | None = None  # default: $EDGEINFER_CLOUD_MODEL
@@ -58,7 +58,8 @@ class ChatSettings:
         """Raise InvalidOptionError, naming the fix, for a value the chat cannot use."""
         self.routing().check()
         self.sampling()
-        KVPolicy.parse(self.kv_policy)
+        if self.kv_policy is not None:
+            KVPolicy.parse(self.kv_policy)
         KVBudget.parse(self.kv_budget)
         if self.threads is not None:
             thread_count(self.threads)  # refuses a count below 1

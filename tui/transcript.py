@@ -81,7 +81,7 @@ def _markdown(messages: Sequence[Message], settings: ChatSettings, saved_at: str
         "",
         f"Saved {saved_at}; backend {settings.backend}, route {settings.route}, "
         f"temperature {settings.temperature}, max tokens {settings.max_tokens}, "
-        f"KV budget {settings.kv_budget} ({settings.kv_policy}).",
+        f"KV budget {settings.kv_budget} ({settings.kv_policy or 'default policy'}).",
     ]
     for m in messages:
         lines += ["", f"## {_HEADINGS[m['role']]}", "", m["content"].strip()]
