@@ -34,8 +34,9 @@ OnStep = Callable[[int, float], None]
 """Told after each unit of work (a layer) how many are done, and what share of the work that is."""
 # The matrices that write into the residual stream: their quantization noise lands there as it is,
 # while the other matrices' errors reach it through one of these, into directions the model reads.
-# So per unit of squared change of a layer's output the two kinds cost the output differently
-# (by 2x and more, measured on a trained checkpoint), and each kind is probed on its own.
+# So per unit of squared change of a layer's output the kinds cost the output differently (on
+# tiny-qwen2, trained: ffn_down 0.4 to 0.7 times its layer's average, attn_q and attn_k 1.2 to 2.8
+# times), and each kind is probed on its own.
 RESIDUAL_WRITERS = (MODEL_TENSOR.ATTN_OUT, MODEL_TENSOR.FFN_DOWN)
 LOGITS_BYTES = 64 << 20  # the float32 logits computed at once by the divergence pass
 
@@ -121,7 +122,8 @@ def calibrate(
     on_layer: OnStep = lambda done, share: None,
 ) -> Calibration:
     """The importance matrix of ``tokens`` run in chunks of ``ctx`` (each led by ``bos`` if the
-    model wants one), and a probe of the first ``probe_tokens`` of them (0: none)."""
+    model wants one), and a probe of the first ``probe_tokens`` of them (0: none). ``on_layer`` is
+    told as each layer is done."""
     hp = ckpt.hparams
     weights = LayerWeights(ckpt)
     model = Transformer(hp, weights)
