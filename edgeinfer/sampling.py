@@ -104,10 +104,9 @@ class Sampler:
         if p.repetition_penalty != 1.0 and p.repeat_last_n and len(recent):
             logits = _penalize(logits, recent[-p.repeat_last_n :], p.repetition_penalty)
         if p.temperature == 0:
-            return int(np.argmax(logits))
+            return int(logits.argmax())
 
-        candidates = _top_k(logits, p.top_k)
-        top = logits[candidates]
+        candidates, top = _top_k(logits, p.top_k)
         # Unnormalised probabilities, the largest 1 (each filter below compares shares, which need
         # no sum), in float64 and in place: on k entries numpy's per-call cost is what counts.
         weights = np.subtract(top, top[0], dtype=np.float64)
@@ -140,8 +139,9 @@ _MIN_GROUPS = 1024
 _GROUPS_PER_K = 16
 
 
-def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest logits (all when k is 0), largest first, equal logits by index."""
+def _top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The indices of the k largest logits (all when k is 0), largest first, equal logits by index;
+    and those logits."""
     n = logits.shape[0]
     groups = max(_MIN_GROUPS, _GROUPS_PER_K * k)
     if k > 0 and 2 * groups <= n:
@@ -150,8 +150,13 @@ def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
         # with a few others at most. Strided groups make the maxima one vectorised pass, where
         # np.argpartition over the whole row costs several times more.
         rows = n // groups
-        bound = np.partition(logits[: rows * groups].reshape(rows, groups).max(axis=0), -k)[-k]
-        candidates = np.flatnonzero(logits >= bound)
-        return candidates[np.argsort(-logits[candidates], kind="stable")[:k]]
-    order = np.argsort(-logits, kind="stable")
-    return order[:k] if k else order
+        maxima = logits[: rows * groups].reshape(rows, groups).max(axis=0)
+        maxima.partition(-k)  # in place, on an array of our own
+        candidates = (logits >= maxima[-k]).nonzero()[0]
+    else:
+        candidates = np.arange(n)
+    values = logits[candidates]
+    order = (-values).argsort(kind="stable")
+    if k:
+        order = order[:k]
+    return candidates[order], values[order]

@@ -96,7 +96,10 @@ def test_top_k_finds_the_k_best_however_they_lie(n):
         masked = RNG.normal(size=n).astype(np.float32)
         masked[RNG.choice(n, size=n - k // 2, replace=False)] = -np.inf  # fewer finite logits than k
         for logits in (clustered, tied, masked):
-            np.testing.assert_array_equal(_top_k(logits, k), np.argsort(-logits, kind="stable")[:k])
+            expected = np.argsort(-logits, kind="stable")[:k]
+            indices, values = _top_k(logits, k)
+            np.testing.assert_array_equal(indices, expected)
+            np.testing.assert_array_equal(values, logits[expected])
 
 
 def test_split_multibyte_characters_wait_for_their_last_byte():
