@@ -61,8 +61,8 @@ def change_config(folder: Path, **changes: Any) -> dict[str, Any]:
     return config
 
 
-def llamacpp_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    with Engine(path, backend="llamacpp", kv_budget="256tok", kv_type="f32", threads=2) as engine:
+def logits(path: Path, tokens: list[int], backend: str) -> np.ndarray:
+    with Engine(path, backend=backend, kv_budget="256tok", kv_type="f32", threads=2) as engine:
         return engine.logits(tokens).astype(np.float64)
 
 
@@ -82,14 +82,18 @@ def test_f32_conversion_equals_hf_forward_pass(tmp_path, case):
     convert(tmp_path / "hf", out, qtype="f32")
     # What the converter understood config.json to mean is what the loader reads from the file.
     assert meaning(load_model_info(out).hparams) == meaning(Checkpoint(tmp_path / "hf").hparams)
-    ours = llamacpp_logits(out, TOKENS)
-    # llama.cpp's CPU GELU rounds to float16 (a lookup table): the Gemma cases measured 2.7e-4 and 1.7e-4
-    # off the exact GELU, 3.9e-5 and 3.8e-6 off the same rounding (what is left: inputs whose float32 and
-    # float64 values round to different float16s). The other cases are within float32 rounding (4e-7).
+    exact = hf_forward.hf_forward(weights, config, TOKENS)
+    # The file holds the checkpoint's model: run by the reference backend, which computes GELU exactly.
+    assert hf_forward.relative_error(logits(out, TOKENS, "reference"), exact) <= 1e-4
+    ours = logits(out, TOKENS, "llamacpp")
+    # llama.cpp's CPU GELU rounds to float16 (a lookup table, ggml-cpu/vec.h defines GGML_GELU_FP16
+    # unconditionally): the Gemma cases measured 2.7e-4 and 1.7e-4 off the exact GELU, 3.9e-5 and 3.8e-6 off
+    # the same rounding (what is left: inputs whose float32 and float64 values round to different float16s).
+    # The other cases are within float32 rounding (4e-7).
     truth = hf_forward.hf_forward(weights, config, TOKENS, f16_gelu=True)
     assert hf_forward.relative_error(ours, truth) <= 1e-4
     assert (ours.argmax(1) == truth.argmax(1)).all()
-    assert hf_forward.relative_error(ours, hf_forward.hf_forward(weights, config, TOKENS)) <= 1e-3
+    assert hf_forward.relative_error(ours, exact) <= 1e-3
 
 
 def test_the_features_the_comparison_rests_on_change_the_logits(tmp_path):
@@ -134,9 +138,9 @@ def test_a_budgeted_gemma3_conversion_measures_its_mix(tmp_path):
     matrices = [t for t in report.tensors if len(t.shape) == 2]
     assert len({t.qtype for t in matrices}) > 1
     assert all(t.error is not None and np.isfinite(t.error) for t in matrices)
-    exact = llamacpp_logits(Path(f32.output), TOKENS)
-    mixed = hf_forward.relative_error(llamacpp_logits(tmp_path / "mix.gguf", TOKENS), exact)
-    assert mixed < hf_forward.relative_error(llamacpp_logits(tmp_path / "q4.gguf", TOKENS), exact)
+    exact = logits(Path(f32.output), TOKENS, "llamacpp")
+    mixed = hf_forward.relative_error(logits(tmp_path / "mix.gguf", TOKENS, "llamacpp"), exact)
+    assert mixed < hf_forward.relative_error(logits(tmp_path / "q4.gguf", TOKENS, "llamacpp"), exact)
     with Engine(tmp_path / "mix.gguf", backend="llamacpp", kv_budget="256tok", threads=2) as engine:
         assert engine.generate("The lighthouse", max_tokens=4, temperature=0).metrics.output_tokens == 4
 
