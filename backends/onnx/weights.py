@@ -1,0 +1,207 @@
+"""GGUF's quantized blocks as ONNX Runtime's MatMulNBits takes them, without dequantizing.
+
+MatMulNBits (com.microsoft) computes ``A @ W.T`` for ``W`` of shape (N, K) stored a block of
+``block_size`` elements at a time: unsigned ``bits``-bit codes ``q``, one scale ``s`` per block and
+a zero point ``z`` (default ``2**(bits-1)``), each element ``(q - z) * s``. Codes pack low bits
+first: element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in its high nibble.
+
+- Q4_0 (block 32, ``(q - 8) * d``) is that layout with no zero points: exact. GGUF packs element
+  ``j`` with element ``j + 16`` in one byte, so the nibbles are repacked.
+- Q8_0 (block 32, signed ``q * d``) is 8-bit codes ``q + 128`` with the default zero point: exact.
+- Q4_1 (block 32, ``q * d + m``) has three forms, whose speed and error
+  ``scripts/bench_matmulnbits.py`` measures:
+  - ``FLOAT``: the zero point ``-m / d`` as a float. Exact.
+  - ``UINT4``: that zero point rounded to a 4-bit code, which the fast integer kernels take.
+    Every element of a block moves by up to half a step.
+  - ``SPLIT``: codes with zero point 0 and scale ``d``, plus ``offsets``, the ``m`` of each block.
+    The graph adds ``blocksums(A) @ offsets.T``, where ``blocksums`` sums A over each 32-element
+    block. Exact, on the integer kernels.
+
+  A block with ``d == 0`` holds ``m`` everywhere. It becomes codes 0 with a scale and zero point
+  that give ``m``; under ``SPLIT``, scale 0 and offset ``m``.
+- Q4_K (super-blocks of 256: eight 32-element blocks, each ``q * d * sc - dmin * mn`` with 6-bit
+  ``sc`` and ``mn``) is always ``SPLIT``: scale ``d * sc`` and offset ``-dmin * mn`` per block, as
+  float32 products the way ggml forms them. Exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf.constants import QK_K
+from gguf.quants import Q4_K
+from onnx import NodeProto, TensorProto, helper, numpy_helper
+
+BLOCK = 32  # elements in a Q4_0, Q4_1 or Q8_0 block
+
+
+class ZeroPoints(Enum):
+    """How a Q4_1 block's offset ``m`` reaches MatMulNBits."""
+
+    FLOAT = "float"  # -m / d exactly, as a float per block
+    UINT4 = "uint4"  # rounded to a 4-bit code, packed two to a byte
+    SPLIT = "split"  # zero point 0, and m apart: the graph adds blocksums(A) @ offsets.T
+
+
+@dataclass(frozen=True)
+class NBits:
+    """One matrix's MatMulNBits inputs and attributes."""
+
+    n: int  # output features (rows of W)
+    k: int  # input features
+    bits: int
+    codes: np.ndarray  # uint8 (n, k // BLOCK, BLOCK * bits // 8)
+    scales: np.ndarray  # float32 (n * k // BLOCK,)
+    zero_points: np.ndarray | None  # float32 like scales, uint8 (n * ceil(k_blocks / 2),), or None: the default
+    offsets: np.ndarray | None = None  # float32 (n, k // BLOCK): each block's m, added apart (ZeroPoints.SPLIT)
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK
+
+    def dequantize(self) -> np.ndarray:
+        """W as float64 (n, k), as MatMulNBits reads these inputs: the tests' and the benchmark's truth."""
+        blocks = self.k // BLOCK
+        if self.bits == 8:
+            q = self.codes.astype(np.float64)
+        else:
+            q = np.stack([self.codes & 0xF, self.codes >> 4], axis=-1).reshape(self.n, blocks, BLOCK).astype(np.float64)
+        if self.zero_points is None:
+            z = np.full((self.n, blocks), 2.0 ** (self.bits - 1))
+        elif self.zero_points.dtype == np.uint8:
+            packed = self.zero_points.reshape(self.n, -1)
+            z = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(self.n, -1)[:, :blocks].astype(np.float64)
+        else:
+            z = self.zero_points.reshape(self.n, blocks).astype(np.float64)
+        s = self.scales.reshape(self.n, blocks, 1).astype(np.float64)
+        w = (q - z[..., None]) * s
+        if self.offsets is not None:
+            w += self.offsets.astype(np.float64)[..., None]
+        return w.reshape(self.n, self.k)
+
+
+def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroPoints.FLOAT) -> NBits:
+    """MatMulNBits inputs for a GGUF matrix given as ``GGUFTensors.raw`` rows: ``(n, row_bytes)`` uint8."""
+    n = raw.shape[0]
+    if k % (QK_K if qtype == QType.Q4_K else BLOCK):
+        raise ValueError(f"rows of {k} elements are not whole {qtype.name} blocks")
+    blocks = raw.reshape(n, k // BLOCK, -1) if qtype != QType.Q4_K else raw
+    if qtype == QType.Q4_0:
+        d, qs = blocks[..., :2], blocks[..., 2:]
+        return NBits(n, k, 4, _repack(qs), _f16(d), None)
+    if qtype == QType.Q8_0:
+        d, qs = blocks[..., :2], blocks[..., 2:]
+        codes = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return NBits(n, k, 8, np.ascontiguousarray(codes), _f16(d), None)
+    if qtype == QType.Q4_1:
+        return _q4_1(blocks, n, k, zero_points)
+    if qtype == QType.Q4_K:
+        return _q4_k(raw, n, k)
+    raise ValueError(f"MatMulNBits takes Q4_0, Q4_1, Q4_K and Q8_0 blocks as they are, not {qtype.name}")
+
+
+def _q4_1(blocks: np.ndarray, n: int, k: int, zero_points: ZeroPoints) -> NBits:
+    d = _f16(blocks[..., :2]).astype(np.float64)
+    m = _f16(blocks[..., 2:4]).astype(np.float64)
+    codes = _repack(blocks[..., 4:])
+    flat = d == 0  # every element is m: codes 0 and (0 - z) * s = m
+    if flat.any():
+        codes = codes.reshape(-1, codes.shape[-1])
+        codes[flat] = 0
+        codes = codes.reshape(n, k // BLOCK, -1)
+    if zero_points is ZeroPoints.SPLIT:
+        return NBits(
+            n,
+            k,
+            4,
+            codes,
+            d.astype(np.float32),
+            _pack4(np.zeros((n, k // BLOCK), np.uint8)),
+            m.reshape(n, -1).astype(np.float32),
+        )
+    if zero_points is ZeroPoints.FLOAT:
+        scale = np.where(flat, m, d)
+        zero = np.where(flat, -1.0, -m / np.where(flat, 1.0, d))
+        return NBits(n, k, 4, codes, scale.astype(np.float32), zero.astype(np.float32))
+    # Integer zero points: z = round(-m / d) in 0..15, the scale kept; a flat block gets z = 15 and the
+    # scale that makes (0 - 15) * s = m.
+    zero = np.clip(np.rint(-m / np.where(flat, 1.0, d)), 0, 15)
+    zero[flat] = 15
+    scale = np.where(flat, -m / 15, d)
+    return NBits(n, k, 4, codes, scale.astype(np.float32), _pack4(zero.astype(np.uint8).reshape(n, -1)))
+
+
+def _pack4(zero: np.ndarray) -> np.ndarray:
+    """Per-block 4-bit zero points (n, blocks) as MatMulNBits packs them: two a byte, each row padded to whole bytes."""
+    if zero.shape[1] % 2:
+        zero = np.concatenate([zero, np.zeros((zero.shape[0], 1), np.uint8)], axis=1)
+    return (zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1)
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> NBits:
+    supers = raw.reshape(n * (k // QK_K), -1)
+    d, dmin = _f16(supers[:, :2]).reshape(-1, 1), _f16(supers[:, 2:4]).reshape(-1, 1)
+    sc, mn = Q4_K.get_scale_min(supers[:, 4 : 4 + Q4_K.K_SCALE_SIZE])
+    scales = d * sc.astype(np.float32)
+    offsets = -(dmin * mn.astype(np.float32))
+    # Each 32 bytes of codes hold two blocks: the low nibbles one, the high nibbles the next.
+    qs = supers[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)
+    elements = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, k // BLOCK, BLOCK)
+    zeros = _pack4(np.zeros((n, k // BLOCK), np.uint8))
+    return NBits(n, k, 4, _pack(elements), scales.reshape(-1), zeros, offsets.reshape(n, -1))
+
+
+def _repack(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 4-bit order (byte j: elements j and j + 16) to MatMulNBits' (byte i: elements 2i and 2i + 1)."""
+    return _pack(np.concatenate([qs & 0xF, qs >> 4], axis=-1))
+
+
+def _pack(elements: np.ndarray) -> np.ndarray:
+    """4-bit codes, one a byte, packed two a byte as MatMulNBits reads them."""
+    return np.ascontiguousarray(elements[..., 0::2] | (elements[..., 1::2] << 4))
+
+
+def _f16(pairs: np.ndarray) -> np.ndarray:
+    """Little-endian float16s stored as byte pairs, as float32 (n * blocks,)."""
+    return np.ascontiguousarray(pairs).view(np.float16).reshape(-1).astype(np.float32)
+
+
+def matmul(weight: NBits, a: str, y: str, name: str, accuracy_level: int) -> tuple[list[NodeProto], list[TensorProto]]:
+    """The nodes computing ``y = a @ W.T`` for float32 ``a`` of shape (rows, k), and their initializers
+    (named after ``name``)."""
+    arrays = {f"{name}.codes": weight.codes, f"{name}.scales": weight.scales}
+    if weight.zero_points is not None:
+        arrays[f"{name}.zero_points"] = weight.zero_points
+    product = y if weight.offsets is None else f"{name}.codes_product"
+    nodes = [
+        helper.make_node(
+            "MatMulNBits",
+            [a, *arrays],
+            [product],
+            name=name,
+            domain="com.microsoft",
+            K=weight.k,
+            N=weight.n,
+            bits=weight.bits,
+            block_size=weight.block_size,
+            accuracy_level=accuracy_level,
+        )
+    ]
+    if weight.offsets is not None:
+        # Each block's m times the sum of the block's inputs: a product 32 times smaller than W's.
+        blocks = weight.k // BLOCK
+        arrays[f"{name}.block_shape"] = np.array([0, blocks, BLOCK], np.int64)  # 0: a's rows, as they are
+        arrays[f"{name}.reduce_axes"] = np.array([-1], np.int64)
+        arrays[f"{name}.offsets"] = np.ascontiguousarray(weight.offsets.T)
+        nodes += [
+            helper.make_node("Reshape", [a, f"{name}.block_shape"], [f"{name}.a_blocks"]),
+            helper.make_node(
+                "ReduceSum", [f"{name}.a_blocks", f"{name}.reduce_axes"], [f"{name}.block_sums"], keepdims=0
+            ),
+            helper.make_node("MatMul", [f"{name}.block_sums", f"{name}.offsets"], [f"{name}.offset_product"]),
+            helper.make_node("Add", [product, f"{name}.offset_product"], [y]),
+        ]
+    return nodes, [numpy_helper.from_array(value, key) for key, value in arrays.items()]

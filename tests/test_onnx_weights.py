@@ -1,0 +1,116 @@
+"""GGUF blocks as MatMulNBits inputs (backends/onnx/weights.py), run by real ONNX Runtime against the
+float64 product with gguf-py's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf.constants import QK_K
+from gguf.quants import dequantize
+from onnx import TensorProto, helper
+
+from edgeinfer.backends.onnx.weights import BLOCK, ZeroPoints, matmul, nbits
+from edgeinfer.converters.quantize import quantize  # ggml's quantizers: gguf-py has none for K-quants
+
+RNG = np.random.default_rng(17)
+N, K = 48, 2 * QK_K
+
+
+def run(weight, a: np.ndarray, accuracy_level: int = 0) -> np.ndarray:
+    nodes, initializers = matmul(weight, "A", "Y", "w", accuracy_level)
+    graph = helper.make_graph(
+        nodes,
+        "product",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, weight.k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, weight.n])],
+        initializer=initializers,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"A": a})[0].astype(np.float64)
+
+
+def relative_error(y: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(y - expected).max() / np.abs(expected).max())
+
+
+# Each form at two row lengths: an even count of 32-element blocks and an odd one, whose packed zero
+# points end in half a byte (K-quants come in 256-element super-blocks, always an even count).
+EXACT = [
+    (qtype, zero_points, k)
+    for qtype, zero_points, lengths in [
+        (QType.Q4_0, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
+        (QType.Q8_0, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
+        (QType.Q4_1, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
+        (QType.Q4_1, ZeroPoints.SPLIT, (K, 3 * BLOCK)),
+        (QType.Q4_K, ZeroPoints.SPLIT, (K, 3 * QK_K)),
+    ]
+    for k in lengths
+]
+
+
+@pytest.mark.parametrize(("qtype", "zero_points", "k"), EXACT, ids=lambda v: getattr(v, "name", str(v)))
+def test_the_exact_forms_compute_what_the_gguf_blocks_hold(qtype, zero_points, k):
+    w = RNG.standard_normal((N, k)).astype(np.float32)
+    w[:, :BLOCK] += 3.0  # a block of positive weights only: Q4_1's m > 0, its zero point negative
+    raw = quantize(w, qtype)
+    truth = dequantize(raw, qtype).reshape(N, k).astype(np.float64)
+    weight = nbits(raw, qtype, k, zero_points)
+    np.testing.assert_allclose(weight.dequantize(), truth, rtol=0, atol=1e-6 * np.abs(truth).max())
+    a = RNG.standard_normal((5, k)).astype(np.float32)
+    assert relative_error(run(weight, a), a.astype(np.float64) @ truth.T) <= 1e-5
+
+
+def test_q4_1_blocks_of_one_value_keep_it():
+    """d == 0: every element is m, whatever its codes say."""
+    w = np.full((N, K), 0.75, np.float32)
+    raw = quantize(w, QType.Q4_1)
+    blocks = raw.reshape(N, K // BLOCK, -1).copy()
+    blocks[..., :2] = 0  # d = 0
+    blocks[..., 4:] = RNG.integers(0, 256, size=blocks[..., 4:].shape, dtype=np.uint8)
+    raw = blocks.reshape(N, -1)
+    truth = dequantize(raw, QType.Q4_1).reshape(N, K).astype(np.float64)
+    assert np.all(truth == np.float16(0.75))
+    a = RNG.standard_normal((2, K)).astype(np.float32)
+    for zero_points in ZeroPoints:
+        weight = nbits(raw, QType.Q4_1, K, zero_points)
+        np.testing.assert_allclose(weight.dequantize(), truth, rtol=1e-6)
+        assert relative_error(run(weight, a), a.astype(np.float64) @ truth.T) <= 1e-5
+
+
+def test_integer_zero_points_for_q4_1_are_what_they_say_and_lossy():
+    """UINT4 rounds -m/d to a code: ONNX Runtime computes its own dequantization exactly, which is
+    measurably off the file's weights (the benchmark's reason to prefer SPLIT)."""
+    w = RNG.standard_normal((N, K)).astype(np.float32)
+    raw = quantize(w, QType.Q4_1)
+    truth = dequantize(raw, QType.Q4_1).reshape(N, K).astype(np.float64)
+    weight = nbits(raw, QType.Q4_1, K, ZeroPoints.UINT4)
+    a = RNG.standard_normal((3, K)).astype(np.float32)
+    y = run(weight, a)
+    assert relative_error(y, a.astype(np.float64) @ weight.dequantize().T) <= 1e-5
+    assert relative_error(y, a.astype(np.float64) @ truth.T) > 1e-3
+
+
+def test_int8_activations_stay_close():
+    """accuracy_level 4 quantizes A to int8 per block: within a percent, not exact."""
+    w = RNG.standard_normal((N, K)).astype(np.float32)
+    raw = quantize(w, QType.Q4_0)
+    truth = dequantize(raw, QType.Q4_0).reshape(N, K).astype(np.float64)
+    a = RNG.standard_normal((4, K)).astype(np.float32)
+    assert relative_error(run(nbits(raw, QType.Q4_0, K), a, accuracy_level=4), a.astype(np.float64) @ truth.T) <= 2e-2
+
+
+@pytest.mark.parametrize(
+    ("qtype", "k", "message"),
+    [(QType.Q6_K, 256, "not Q6_K"), (QType.Q4_0, 48, "48 elements"), (QType.Q4_K, 288, "288 elements")],
+)
+def test_what_it_cannot_map_is_one_line(qtype, k, message):
+    raw = np.zeros((2, 144), np.uint8)
+    with pytest.raises(ValueError, match=message):
+        nbits(raw, qtype, k)
