@@ -234,6 +234,15 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
     full_rope, sliding_rope = rope_parameters(config)
     rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     rope_kind = full_rope.get("rope_type", full_rope.get("type")) or "default"
+    legacy = config.get("rope_scaling")
+    if rope_field == "rope_parameters" and isinstance(legacy, dict) and legacy:
+        # transformers 4's field beside 5's: a model read by either must mean the same, or the file is wrong.
+        legacy_kind = legacy.get("rope_type", legacy.get("type")) or "default"
+        if legacy_kind != rope_kind or any(legacy.get(k) != full_rope.get(k) for k in LLAMA3_ROPE_KEYS if k in legacy):
+            raise ConversionError(
+                f"{where}: 'rope_scaling' ({legacy_kind!r}) and 'rope_parameters' ({rope_kind!r}) say different "
+                "things; remove the one transformers does not use for this checkpoint"
+            )
     if rope_kind == "llama3" and arch.rope_freqs:
         for key in LLAMA3_ROPE_KEYS:
             real(f"{rope_field}.{key}", full_rope.get(key), 1e-6, float(MAX_CONTEXT))

@@ -159,6 +159,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
             "RoPE scaling 'dynamic' ('rope_parameters') is not supported",
         ),
         ("qwen3", {"rope_scaling": LLAMA3_SCALING}, "RoPE scaling 'llama3' ('rope_scaling') is not supported"),
+        ("qwen3-v5", {"rope_scaling": YARN}, "'rope_scaling' ('yarn') and 'rope_parameters' ('default') say different"),
+        ("llama3-v5", {"rope_scaling": {**LLAMA3_SCALING, "factor": 2.0}}, "say different things"),
         ("llama3", {"rope_scaling": LLAMA3_WITHOUT}, "'rope_scaling.low_freq_factor' is None"),
         ("llama3", {"num_local_experts": 8, "num_experts_per_tok": 2}, "'num_local_experts' = 8 is not supported"),
         ("qwen3", {"num_experts": 4, "moe_intermediate_size": 64}, "'num_experts' = 4 is not supported"),
