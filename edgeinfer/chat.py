@@ -60,7 +60,8 @@ TRANSCRIPT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
-TRANSCRIPT_STOPS = ("\nUser:",)
+# A base model writes further turns of both speakers; the answer ends at the first.
+TRANSCRIPT_STOPS = ("\nUser:", "\nAssistant:")
 CHATML_MARKER = "<|im_start|>"
 
 
