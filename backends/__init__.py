@@ -44,7 +44,10 @@ def choose_backend(name: str, info: ModelInfo) -> type[Backend]:
         cls = backend_class(name)
         reason = cls.supports(info)
         if reason is not None:
-            raise BackendUnavailableError(f"the {name} backend cannot run this model: {reason}; use --backend auto")
+            # Point at auto only where it finds another backend that runs the model.
+            others = any(status == AVAILABLE for other, status in backend_status(info).items() if other != name)
+            hint = "; use --backend auto" if others else ""
+            raise BackendUnavailableError(f"the {name} backend cannot run this model: {reason}{hint}")
         return cls
     reasons = []
     for status_name, status in backend_status(info).items():

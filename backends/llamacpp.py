@@ -110,6 +110,8 @@ def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, devi
     return model
 
 
+# An architecture's name -> why this llama.cpp build refuses it (None: it runs it); see supports().
+_architecture_refusals: dict[str, str | None] = {}
 _LOAD_ERROR = re.compile(r"error loading model: (?:error loading model \w+: )?(.*)")
 _UNKNOWN_ARCH = re.compile(r"unknown model architecture: '(.*)'")
 
@@ -217,7 +219,21 @@ class LlamaCppBackend:
 
     @classmethod
     def supports(cls, info: ModelInfo) -> str | None:
-        return None  # every architecture edgeinfer's loader accepts is one llama.cpp runs
+        if info.hparams.arch.reference:
+            return None  # llama.cpp runs every architecture the reference implements
+        name = info.architecture
+        if name not in _architecture_refusals:
+            # Only llama.cpp knows which architectures it was built with: ask it, once a name, by loading
+            # the file's vocabulary alone (it reads the architecture first and stops there if unknown).
+            try:
+                llama_lib().llama_model_free(load_model(str(info.path), vocab_only=True))
+            except BackendError as exc:
+                if not _UNKNOWN_ARCH.search("\n".join(_recent_log)):
+                    return None  # refused for another reason, which loading it for real will give
+                _architecture_refusals[name] = str(exc)
+            else:
+                _architecture_refusals[name] = None
+        return _architecture_refusals[name]
 
     @classmethod
     def devices(cls) -> list[Device]:

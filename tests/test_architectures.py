@@ -23,6 +23,7 @@ from edgeinfer import (
     ModelNotFoundError,
     SamplingParams,
 )
+from edgeinfer.backends import backend_status
 from edgeinfer.cli import cli
 from edgeinfer.models.catalog import CATALOG, resolve_model
 from edgeinfer.models.info import load_model_info
@@ -137,10 +138,15 @@ def test_an_architecture_llamacpp_does_not_know_is_one_line_naming_it_and_the_ve
     path = write_tiny_granite(tmp_path / "zzz.gguf", **SMALL)
     data = path.read_bytes().replace(b"granite", b"zzzzzzz")  # same length: every offset still holds
     path.write_bytes(data)
-    with pytest.raises(BackendError) as refused:
+    with pytest.raises(EdgeInferError) as refused:
         Engine(path, threads=2, backend="llamacpp")
     message = str(refused.value)
     assert "'zzzzzzz'" in message and llama_cpp.__version__ in message and "\n" not in message
+    assert "--backend auto" not in message  # no other backend runs it either
+    # info says so too, before anything is loaded for real, and auto has nothing to pick.
+    assert "does not run the 'zzzzzzz' architecture" in backend_status(load_model_info(path))["llamacpp"]
+    with pytest.raises(EdgeInferError, match="zzzzzzz"):
+        Engine(path, threads=2)
 
 
 def test_an_architecture_left_to_llamacpp_runs_there_and_the_reference_says_why_not(tmp_path):
