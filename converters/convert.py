@@ -353,9 +353,20 @@ def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalRepo
     """Perplexity and KL divergence of ``output`` against the unquantized model, both in llama.cpp."""
     from edgeinfer.engine import Engine
     from edgeinfer.evaluate import evaluate
+    from edgeinfer.tokenizer import Tokenizer
 
     base_type = QType.F16 if ckpt.source_dtype == "F16" else QType.F32  # exact for F32 and BF16 weights
     ctx = min(CALIB_CTX, ckpt.hparams.n_ctx_train)
+    tokenizer = Tokenizer(output)  # the converted vocabulary: known only now, checked before the base model
+    try:
+        n_tokens = len(tokenizer.encode(text, parse_special=False))
+    finally:
+        tokenizer.close()
+    if n_tokens < ctx:
+        raise ConversionError(
+            f"{output.name} is written, but the --eval text has {n_tokens} tokens, fewer than the {ctx} of one "
+            "evaluation chunk; give a longer held-out text to measure it"
+        )
     with scratch_folder(output, "base") as tmp:
         base_path = Path(tmp) / f"base-{base_type.name.lower()}.gguf"
         types = {name: choice.qtype for name, choice in uniform(ckpt.shapes, base_type).items()}

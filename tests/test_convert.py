@@ -133,6 +133,19 @@ def test_budgeted_conversion_fits_its_budget_and_spends_it(tmp_path, wide_hf):
         assert engine.generate("The lighthouse", max_tokens=4, temperature=0).metrics.output_tokens == 4
 
 
+def test_a_held_out_text_too_short_to_measure_keeps_the_file_and_says_so(tmp_path, wide_hf):
+    short = tmp_path / "short.txt"
+    short.write_text("The lighthouse keeper wrote in his log every evening.")
+    out = tmp_path / "q8.gguf"
+    with pytest.raises(ConversionError) as caught:
+        convert(wide_hf, out, qtype="q8_0", eval_text=short)
+    message = str(caught.value)
+    assert message.startswith("q8.gguf is written, but the --eval text has") and "--ctx" not in message
+    assert "\n" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf", "short.txt"]
+    with Engine(out, backend="llamacpp", kv_budget="256tok", threads=2) as engine:
+        assert engine.generate("The lighthouse", max_tokens=2, temperature=0).metrics.output_tokens == 2
+
+
 def test_a_measured_mix_beats_one_type_at_the_same_size(tmp_path, wide_hf):
     q4 = convert(wide_hf, tmp_path / "q4.gguf", qtype="q4_0", eval_text=CALIB)
     report = convert(wide_hf, tmp_path / "kld.gguf", target_size=q4.file_bytes, calib=CALIB, eval_text=CALIB)
