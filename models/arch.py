@@ -202,6 +202,12 @@ def hparams_from_metadata(meta: Mapping[str, Any], tensor_names: set[str], file:
     ) -> Any:
         key = key_template.format(arch=prefix)
         value = meta.get(key, default)
+        if value is None and not any(k.startswith(f"{prefix}.") for k in meta):
+            # None of the architecture's keys: the name is wrong, or the file was made for something else.
+            raise InvalidModelError(
+                f"{file} says its architecture is '{prefix}' but has none of its metadata ('{key}' first); "
+                "re-convert the model or fix 'general.architecture'"
+            )
         if value is None:
             raise InvalidModelError(f"{file} lacks the metadata key '{key}' (re-convert the model)")
         ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)

@@ -254,6 +254,12 @@ def array(values: list, element_type: GGUFValueType) -> GGUFValue:
 METADATA: list[tuple[str, str, dict, str]] = [
     ("missing key", "gpt2", {"llama.block_count": None}, "lacks the metadata key 'llama.block_count'"),
     ("no architecture", "gpt2", {"general.architecture": None}, "lacks the metadata key 'general.architecture'"),
+    (
+        "architecture renamed",
+        "gpt2",
+        {"general.architecture": GGUFValue("zzzzz", GGUFValueType.STRING)},
+        "says its architecture is 'zzzzz' but has none of its metadata",
+    ),
     ("no tokenizer", "gpt2", {"tokenizer.ggml.model": None}, "lacks the metadata key 'tokenizer.ggml.model'"),
     (
         "wrong key type",
