@@ -32,8 +32,10 @@ from edgeinfer.converters.plan import (
     Choice,
     budgeted,
     candidate_types,
+    check_fits,
     error_sample,
     estimate_errors,
+    smallest_bytes,
     stored_bytes,
     uniform,
 )
@@ -211,6 +213,14 @@ def convert(
         log(f"note: {uniform_type.name} does not use an importance matrix; --calib is ignored")
         calib = None
 
+    budget = 0
+    if budget_given:  # an impossible budget is known from the shapes: say so before minutes of calibration
+        if target_size is not None:
+            budget = target_size - header_bytes(ckpt, vocab, output)
+        else:
+            budget = int(float(target_bpw or 0) * n_params / 8)
+        check_fits(smallest_bytes(shapes), budget)
+
     calibration: Calibration | None = None
     if calib is not None:
         tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output)
@@ -227,10 +237,6 @@ def convert(
 
     if budget_given:
         assert calibration is not None
-        if target_size is not None:
-            budget = target_size - header_bytes(ckpt, vocab, output)
-        else:
-            budget = int(float(target_bpw or 0) * n_params / 8)
         probe_types = {
             name: min(candidate_types(shape[-1]), key=lambda t: stored_bytes(shape, t))  # the largest effect
             for name, shape in shapes.items()

@@ -103,14 +103,28 @@ def estimate_errors(rows: np.ndarray, n_rows: int, importance: np.ndarray, types
     return errors
 
 
-def allocate(options: Mapping[str, list[Option]], budget: int) -> dict[str, Option]:
-    """The option per tensor with the least total error whose bytes sum to at most ``budget``."""
-    smallest = sum(min(o.nbytes for o in opts) for opts in options.values())
+def smallest_bytes(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The fewest tensor bytes a mix can take: each matrix in its smallest candidate type, vectors in F32."""
+    return sum(
+        min(stored_bytes(shape, t) for t in candidate_types(shape[-1]))
+        if len(shape) > 1
+        else stored_bytes(shape, QType.F32)
+        for shape in shapes.values()
+    )
+
+
+def check_fits(smallest: int, budget: int) -> None:
+    """A one-line error when even the smallest mix (``smallest`` bytes) exceeds ``budget``."""
     if smallest > budget:
         raise ConversionError(
             f"the smallest mix of types needs {smallest / 1e6:.2f} MB of tensors, more than the budget's "
             f"{budget / 1e6:.2f} MB; raise --target-size or --target-bpw"
         )
+
+
+def allocate(options: Mapping[str, list[Option]], budget: int) -> dict[str, Option]:
+    """The option per tensor with the least total error whose bytes sum to at most ``budget``."""
+    check_fits(sum(min(o.nbytes for o in opts) for opts in options.values()), budget)
 
     def pick(lam: float) -> dict[str, Option]:
         return {n: min(opts, key=lambda o: (o.error + lam * o.nbytes, o.nbytes)) for n, opts in options.items()}

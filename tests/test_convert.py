@@ -133,6 +133,14 @@ def test_budgeted_conversion_fits_its_budget_and_spends_it(tmp_path, wide_hf):
         assert engine.generate("The lighthouse", max_tokens=4, temperature=0).metrics.output_tokens == 4
 
 
+def test_a_budget_no_mix_fits_is_refused_before_calibrating(tmp_path, wide_hf):
+    steps = []
+    with pytest.raises(ConversionError, match=r"the smallest mix of types needs .* raise --target-size") as caught:
+        convert(wide_hf, tmp_path / "tiny.gguf", target_bpw=1.0, calib=CALIB, progress=steps.append)
+    assert "\n" not in str(caught.value) and not (tmp_path / "tiny.gguf").exists()
+    assert not {step.stage for step in steps} & {"calibrating", "probing", "measuring"}
+
+
 def test_a_held_out_text_too_short_to_measure_keeps_the_file_and_says_so(tmp_path, wide_hf):
     short = tmp_path / "short.txt"
     short.write_text("The lighthouse keeper wrote in his log every evening.")
