@@ -50,6 +50,11 @@ CASES = [
     ("Q4_1 split acc4", QType.Q4_1, ZeroPoints.SPLIT, 4, False),
     ("Q4_K split", QType.Q4_K, ZeroPoints.SPLIT, 0, False),
     ("Q4_K split acc4", QType.Q4_K, ZeroPoints.SPLIT, 4, False),
+    # Codes of 5 to 8 bits go in as 8-bit codes, fast only with int8 activations.
+    ("Q5_0 acc4", QType.Q5_0, ZeroPoints.FLOAT, 4, False),
+    ("Q5_K acc4", QType.Q5_K, ZeroPoints.FLOAT, 4, False),
+    ("Q6_K acc4", QType.Q6_K, ZeroPoints.FLOAT, 4, False),
+    ("IQ4_NL acc4", QType.IQ4_NL, ZeroPoints.FLOAT, 4, False),
 ]
 
 

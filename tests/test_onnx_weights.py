@@ -50,6 +50,11 @@ EXACT = [
         (QType.Q4_1, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
         (QType.Q4_1, ZeroPoints.SPLIT, (K, 3 * BLOCK)),
         (QType.Q4_K, ZeroPoints.SPLIT, (K, 3 * QK_K)),
+        (QType.Q5_0, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
+        (QType.Q5_1, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
+        (QType.IQ4_NL, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
+        (QType.Q5_K, ZeroPoints.FLOAT, (K, 3 * QK_K)),
+        (QType.Q6_K, ZeroPoints.FLOAT, (K, 3 * QK_K)),
     ]
     for k in lengths
 ]
@@ -108,7 +113,7 @@ def test_int8_activations_stay_close():
 
 @pytest.mark.parametrize(
     ("qtype", "k", "message"),
-    [(QType.Q6_K, 256, "not Q6_K"), (QType.Q4_0, 48, "48 elements"), (QType.Q4_K, 288, "288 elements")],
+    [(QType.IQ4_XS, 256, "not IQ4_XS"), (QType.Q4_0, 48, "48 elements"), (QType.Q6_K, 288, "288 elements")],
 )
 def test_what_it_cannot_map_is_one_line(qtype, k, message):
     raw = np.zeros((2, 144), np.uint8)

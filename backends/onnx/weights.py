@@ -22,6 +22,9 @@ first: element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in its high
 - Q4_K (super-blocks of 256: eight 32-element blocks, each ``q * d * sc - dmin * mn`` with 6-bit
   ``sc`` and ``mn``) is always ``SPLIT``: scale ``d * sc`` and offset ``-dmin * mn`` per block, as
   float32 products the way ggml forms them. Exact.
+- Q5_0, Q5_1, Q5_K, Q6_K and IQ4_NL have codes of 5, 6 or (IQ4_NL's 16 non-linear levels) up to
+  8 bits: they become 8-bit codes, exact, with their blocks' scales, zero points and offsets (Q6_K
+  in blocks of 16). MatMulNBits runs 8-bit codes fast only with ``accuracy_level`` 4.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from enum import Enum
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import QK_K
-from gguf.quants import Q4_K
+from gguf.quants import Q4_K, dequantize
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-BLOCK = 32  # elements in a Q4_0, Q4_1 or Q8_0 block
+BLOCK = 32  # elements in a block of the 32-element types, and in a K-quant's sub-blocks (Q6_K's: 16)
+K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
 
 class ZeroPoints(Enum):
@@ -53,24 +57,24 @@ class NBits:
     n: int  # output features (rows of W)
     k: int  # input features
     bits: int
-    codes: np.ndarray  # uint8 (n, k // BLOCK, BLOCK * bits // 8)
-    scales: np.ndarray  # float32 (n * k // BLOCK,)
-    zero_points: np.ndarray | None  # float32 like scales, uint8 (n * ceil(k_blocks / 2),), or None: the default
-    offsets: np.ndarray | None = None  # float32 (n, k // BLOCK): each block's m, added apart (ZeroPoints.SPLIT)
-
-    @property
-    def block_size(self) -> int:
-        return BLOCK
+    codes: np.ndarray  # uint8 (n, k // block_size, block_size * bits // 8)
+    scales: np.ndarray  # float32 (n * k // block_size,)
+    zero_points: np.ndarray | None  # float32 like scales; uint8, 4-bit packed or a byte each; or None: the default
+    offsets: np.ndarray | None = None  # float32 (n, k // block_size): each block's m, added apart (ZeroPoints.SPLIT)
+    block_size: int = BLOCK
 
     def dequantize(self) -> np.ndarray:
         """W as float64 (n, k), as MatMulNBits reads these inputs: the tests' and the benchmark's truth."""
-        blocks = self.k // BLOCK
+        blocks = self.k // self.block_size
         if self.bits == 8:
             q = self.codes.astype(np.float64)
         else:
-            q = np.stack([self.codes & 0xF, self.codes >> 4], axis=-1).reshape(self.n, blocks, BLOCK).astype(np.float64)
+            q = np.stack([self.codes & 0xF, self.codes >> 4], axis=-1).astype(np.float64)
+        q = q.reshape(self.n, blocks, self.block_size)
         if self.zero_points is None:
             z = np.full((self.n, blocks), 2.0 ** (self.bits - 1))
+        elif self.zero_points.dtype == np.uint8 and self.bits == 8:
+            z = self.zero_points.reshape(self.n, blocks).astype(np.float64)
         elif self.zero_points.dtype == np.uint8:
             packed = self.zero_points.reshape(self.n, -1)
             z = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(self.n, -1)[:, :blocks].astype(np.float64)
@@ -86,9 +90,9 @@ class NBits:
 def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroPoints.FLOAT) -> NBits:
     """MatMulNBits inputs for a GGUF matrix given as ``GGUFTensors.raw`` rows: ``(n, row_bytes)`` uint8."""
     n = raw.shape[0]
-    if k % (QK_K if qtype == QType.Q4_K else BLOCK):
+    if k % (QK_K if qtype in K_QUANTS else BLOCK):
         raise ValueError(f"rows of {k} elements are not whole {qtype.name} blocks")
-    blocks = raw.reshape(n, k // BLOCK, -1) if qtype != QType.Q4_K else raw
+    blocks = raw.reshape(n, k // BLOCK, -1) if qtype not in K_QUANTS else raw
     if qtype == QType.Q4_0:
         d, qs = blocks[..., :2], blocks[..., 2:]
         return NBits(n, k, 4, _repack(qs), _f16(d), None)
@@ -100,7 +104,55 @@ def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroP
         return _q4_1(blocks, n, k, zero_points)
     if qtype == QType.Q4_K:
         return _q4_k(raw, n, k)
-    raise ValueError(f"MatMulNBits takes Q4_0, Q4_1, Q4_K and Q8_0 blocks as they are, not {qtype.name}")
+    if qtype in (QType.Q5_0, QType.IQ4_NL):
+        return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]), zero=16 if qtype == QType.Q5_0 else 128)
+    if qtype == QType.Q5_1:
+        return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]), zero=0, offsets=_f16(blocks[..., 2:4]))
+    if qtype == QType.Q5_K:
+        supers = raw.reshape(n * (k // QK_K), -1)
+        d, dmin = _f16(supers[:, :2]).reshape(-1, 1), _f16(supers[:, 2:4]).reshape(-1, 1)
+        sc, mn = Q4_K.get_scale_min(supers[:, 4 : 4 + Q4_K.K_SCALE_SIZE])  # Q5_K's scales are laid out as Q4_K's
+        return _eight_bit(
+            raw, qtype, n, k, BLOCK, d * sc.astype(np.float32), zero=0, offsets=-(dmin * mn.astype(np.float32))
+        )
+    if qtype == QType.Q6_K:
+        supers = raw.reshape(n * (k // QK_K), -1)
+        d = _f16(supers[:, -2:]).reshape(-1, 1)
+        sc = supers[:, -2 - QK_K // 16 : -2].view(np.int8).astype(np.float32)
+        return _eight_bit(raw, qtype, n, k, 16, d * sc, zero=32)
+    raise ValueError(
+        f"MatMulNBits takes Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 and IQ4_NL blocks, not {qtype.name}"
+    )
+
+
+def _eight_bit(
+    raw: np.ndarray,
+    qtype: QType,
+    n: int,
+    k: int,
+    block: int,
+    scales: np.ndarray,
+    *,
+    zero: int,
+    offsets: np.ndarray | None = None,
+) -> NBits:
+    """A type whose codes fit a byte: each element ``(q - zero) * scale (+ offset)`` per ``block`` elements.
+
+    The codes are read back from gguf-py's dequantization, which ggml's formula makes exact: every
+    value is a float32 product of the block's scale and a small integer (plus the block's offset).
+    IQ4_NL's 16 non-linear levels are such integers (-127 to 113), so its codes are level + 128.
+    """
+    blocks = k // block
+    values = dequantize(raw, qtype).reshape(n, blocks, block).astype(np.float64)
+    scale = scales.reshape(n, blocks, 1).astype(np.float64)
+    if offsets is not None:
+        values -= offsets.reshape(n, blocks, 1).astype(np.float64)
+    used = scale != 0  # a block of scale 0 holds its offset (or 0) whatever its codes
+    steps = np.rint(np.divide(values, scale, out=np.zeros_like(values), where=used))
+    codes = np.clip(steps + zero, 0, 255).astype(np.uint8).reshape(n, blocks, block)
+    zero_points = None if zero == 128 else np.full(n * blocks, zero, np.uint8)
+    offset_array = None if offsets is None else offsets.reshape(n, blocks).astype(np.float32)
+    return NBits(n, k, 8, codes, scales.reshape(-1).astype(np.float32), zero_points, offset_array, block)
 
 
 def _q4_1(blocks: np.ndarray, n: int, k: int, zero_points: ZeroPoints) -> NBits:
@@ -192,8 +244,8 @@ def matmul(weight: NBits, a: str, y: str, name: str, accuracy_level: int) -> tup
     ]
     if weight.offsets is not None:
         # Each block's m times the sum of the block's inputs: a product 32 times smaller than W's.
-        blocks = weight.k // BLOCK
-        arrays[f"{name}.block_shape"] = np.array([0, blocks, BLOCK], np.int64)  # 0: a's rows, as they are
+        blocks = weight.k // weight.block_size
+        arrays[f"{name}.block_shape"] = np.array([0, blocks, weight.block_size], np.int64)  # 0: a's rows, as they are
         arrays[f"{name}.reduce_axes"] = np.array([-1], np.int64)
         arrays[f"{name}.offsets"] = np.ascontiguousarray(weight.offsets.T)
         nodes += [
