@@ -213,6 +213,15 @@ def convert(
         log(f"note: {uniform_type.name} does not use an importance matrix; --calib is ignored")
         calib = None
 
+    if held_out is not None:  # the text is checked with the checkpoint's own vocabulary, before minutes of work
+        held_out_tokens, bos = _tokenize(ckpt, vocab, held_out, output)
+        n_held_out = len(held_out_tokens) + (bos is not None)  # as the evaluation counts them
+        if n_held_out < min(CALIB_CTX, hp.n_ctx_train):
+            raise ConversionError(
+                f"the --eval text has {n_held_out} tokens, fewer than the {min(CALIB_CTX, hp.n_ctx_train)} "
+                "of one evaluation chunk; give a longer held-out text"
+            )
+
     budget = 0
     if budget_given:  # an impossible budget is known from the shapes: say so before minutes of calibration
         if target_size is not None:
@@ -224,6 +233,8 @@ def convert(
     calibration: Calibration | None = None
     if calib is not None:
         tokens, bos = _tokenize(ckpt, vocab, _read_text(calib, "--calib"), output)
+        if len(tokens) < 64:
+            raise ConversionError(f"the calibration text is {len(tokens)} tokens; give at least a few thousand words")
         ctx = min(CALIB_CTX, hp.n_ctx_train)
         tokens = _spread(tokens, CALIB_TOKENS, ctx - (bos is not None))
         progress(Step("reading", 1, 1, "checkpoint"))
@@ -350,8 +361,6 @@ def _tokenize(ckpt: Checkpoint, vocab: Any, text: str, output: Path) -> tuple[li
             bos = tokenizer.bos_id if tokenizer.add_bos and tokenizer.bos_id >= 0 else None
         finally:
             tokenizer.close()
-    if len(tokens) < 64:
-        raise ConversionError(f"the calibration text is {len(tokens)} tokens; give at least a few thousand words")
     return tokens, bos
 
 
@@ -359,20 +368,9 @@ def _evaluate(ckpt: Checkpoint, vocab: Any, output: Path, text: str) -> EvalRepo
     """Perplexity and KL divergence of ``output`` against the unquantized model, both in llama.cpp."""
     from edgeinfer.engine import Engine
     from edgeinfer.evaluate import evaluate
-    from edgeinfer.tokenizer import Tokenizer
 
     base_type = QType.F16 if ckpt.source_dtype == "F16" else QType.F32  # exact for F32 and BF16 weights
     ctx = min(CALIB_CTX, ckpt.hparams.n_ctx_train)
-    tokenizer = Tokenizer(output)  # the converted vocabulary: known only now, checked before the base model
-    try:
-        n_tokens = len(tokenizer.encode(text, parse_special=False))
-    finally:
-        tokenizer.close()
-    if n_tokens < ctx:
-        raise ConversionError(
-            f"{output.name} is written, but the --eval text has {n_tokens} tokens, fewer than the {ctx} of one "
-            "evaluation chunk; give a longer held-out text to measure it"
-        )
     with scratch_folder(output, "base") as tmp:
         base_path = Path(tmp) / f"base-{base_type.name.lower()}.gguf"
         types = {name: choice.qtype for name, choice in uniform(ckpt.shapes, base_type).items()}

@@ -141,17 +141,15 @@ def test_a_budget_no_mix_fits_is_refused_before_calibrating(tmp_path, wide_hf):
     assert not {step.stage for step in steps} & {"calibrating", "probing", "measuring"}
 
 
-def test_a_held_out_text_too_short_to_measure_keeps_the_file_and_says_so(tmp_path, wide_hf):
+def test_a_held_out_text_too_short_to_measure_is_refused_before_converting(tmp_path, wide_hf):
     short = tmp_path / "short.txt"
     short.write_text("The lighthouse keeper wrote in his log every evening.")
     out = tmp_path / "q8.gguf"
     with pytest.raises(ConversionError) as caught:
         convert(wide_hf, out, qtype="q8_0", eval_text=short)
     message = str(caught.value)
-    assert message.startswith("q8.gguf is written, but the --eval text has") and "--ctx" not in message
-    assert "\n" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf", "short.txt"]
-    with Engine(out, backend="llamacpp", kv_budget="256tok", threads=2) as engine:
-        assert engine.generate("The lighthouse", max_tokens=2, temperature=0).metrics.output_tokens == 2
+    assert message.startswith("the --eval text has") and "--ctx" not in message and "\n" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
 
 
 def test_a_measured_mix_beats_one_type_at_the_same_size(tmp_path, wide_hf):
