@@ -205,8 +205,8 @@ def output_klds(
         runs[TOKEN_EMBD] = embed(ckpt, weights, probe.tokens, lambda rows: quantized(TOKEN_EMBD, rows))
     change: dict[str, float] = {}  # mean squared change of its layer's output, by matrix and by group
     group_of: dict[str, str] = {}
+    model = Transformer(hp, weights)
     for layer in range(hp.n_layer):
-        model = Transformer(hp, weights)
         runs = {key: model.block(layer, x, positions) for key, x in runs.items()}
         x, clean = probe.layer_inputs[layer], probe.layer_inputs[layer + 1]
         replaced = {name: quantized(name, weights(name)) for group in groups[layer] for name in group}

@@ -27,12 +27,15 @@ from gguf import MODEL_ARCH_NAMES, MODEL_TENSOR, get_tensor_name_map
 from edgeinfer.errors import ConversionError
 from edgeinfer.models.arch import (
     ARCHITECTURES,
+    GGUF_PY_ARCHS,
     MAX_CONTEXT,
     RMS_EPS_RANGE,
     ROPE_BASE_RANGE,
     Architecture,
     HParams,
     expected_tensors,
+    llamacpp_attn_scale,
+    swa_pattern_layers,
     tensor_name,
 )
 from edgeinfer.models.gguf_file import GGUF_MAGIC
@@ -40,7 +43,6 @@ from edgeinfer.models.gguf_file import GGUF_MAGIC
 SUPPORTED_CLASSES = {cls: arch for arch in ARCHITECTURES.values() for cls in arch.hf_classes}
 # Classes whose text model we could read but whose checkpoint holds more (a vision tower), with what to use instead.
 MULTIMODAL_CLASSES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (Gemma 3 1B or 270M)"}
-GGUF_PY_ARCHS = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
 # transformers' defaults for what a family's config.json may leave out, where they are not the
 # converter's own (no tied embeddings, SiLU, a RoPE base of 10000): Gemma3TextConfig's.
 CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -80,6 +82,26 @@ class TensorRef:
     dtype: str
     shape: tuple[int, ...]
     offset: int
+
+
+def read_floats(ref: TensorRef, first_row: int = 0, n_rows: int | None = None) -> np.ndarray:
+    """Rows ``first_row:first_row + n_rows`` (all by default) of a stored tensor as float32 ``(n_rows, row)``;
+    a one-line error if they hold NaN or infinity."""
+    dtype = DTYPES[ref.dtype]
+    row = math.prod(ref.shape[1:])
+    n_rows = ref.shape[0] - first_row if n_rows is None else n_rows
+    # Read, not memory-mapped: mapped pages would stay resident and count as the process's.
+    offset = ref.offset + first_row * row * dtype.itemsize
+    raw = np.fromfile(ref.file, dtype=dtype, count=n_rows * row, offset=offset).reshape(n_rows, row)
+    bf16 = ref.dtype == "BF16"
+    array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32, copy=False)
+    # One NaN or infinity anywhere makes the float64 sum non-finite, without a mask the tensor's size.
+    if not math.isfinite(array.sum(dtype=np.float64)):
+        raise ConversionError(
+            f"{ref.file}: tensor '{ref.hf_name}' holds NaN or infinite values; the checkpoint is damaged, "
+            "download it again"
+        )
+    return array
 
 
 class Checkpoint:
@@ -127,17 +149,7 @@ class Checkpoint:
         if name == ROPE_FREQS and self.rope_factors is not None:
             return self.rope_factors.copy()
         ref = self.tensors[name]
-        dtype = DTYPES[ref.dtype]
-        # Read, not memory-mapped: mapped pages would stay resident and count as the process's.
-        raw = np.fromfile(ref.file, dtype=dtype, count=math.prod(ref.shape), offset=ref.offset).reshape(ref.shape)
-        bf16 = ref.dtype == "BF16"
-        array = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32, copy=False)
-        # One NaN or infinity anywhere makes the float64 sum non-finite, without a mask the tensor's size.
-        if not math.isfinite(array.sum(dtype=np.float64)):
-            raise ConversionError(
-                f"{ref.file}: tensor '{ref.hf_name}' holds NaN or infinite values; the checkpoint is damaged, "
-                "download it again"
-            )
+        array = read_floats(ref).reshape(ref.shape)
         hp = self.hparams
         if hp.arch.permute_qk and name.endswith(".attn_q.weight"):
             array = permute_rope_rows(array, hp.n_head)
@@ -270,8 +282,8 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
 
     # transformers scales Gemma's queries by 1/sqrt(query_pre_attn_scalar); llama.cpp by 1/sqrt(head size),
     # or for Gemma 3's 62-layer 27B model by 1/sqrt(n_embd / n_head). They must agree.
-    by_embd = arch.name == "gemma3" and n_layer == 62
-    scalar = n_embd // n_head if by_embd else head_dim
+    attn_scale = llamacpp_attn_scale(arch.name, n_layer, n_embd, n_head)
+    scalar = n_embd // n_head if attn_scale is not None else head_dim
     if config.get("query_pre_attn_scalar", scalar) != scalar:
         raise refuse(
             "query_pre_attn_scalar", config["query_pre_attn_scalar"], f"llama.cpp computes this model with {scalar}"
@@ -303,7 +315,7 @@ def hparams_from_config(config: Mapping[str, Any], arch: Architecture, folder: P
         rms_eps=real("rms_norm_eps", config.get("rms_norm_eps", 1e-6), *RMS_EPS_RANGE),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_freqs=rope_kind == "llama3",
-        attn_scale=1 / math.sqrt(scalar) if by_embd else None,
+        attn_scale=attn_scale,
         logit_softcap=real("final_logit_softcapping", softcap, 1e-3, 1e6) if softcap is not None else 0.0,
         **sliding,
     )
@@ -343,7 +355,7 @@ def sliding_layers(config: Mapping[str, Any], arch: Architecture, n_layer: int, 
     pattern = config.get("sliding_window_pattern")
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
         raise ConversionError(f"{where}: 'sliding_window_pattern' is {pattern!r}; it must be a positive int")
-    return tuple((layer + 1) % pattern != 0 for layer in range(n_layer))
+    return swa_pattern_layers(pattern, n_layer)
 
 
 def llama3_rope_factors(rope: Mapping[str, Any], hp: HParams) -> np.ndarray:

@@ -9,14 +9,12 @@ Every other tensor belongs to one layer and is read whole with ``Checkpoint.weig
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from edgeinfer.converters.checkpoint import DTYPES, Checkpoint
-from edgeinfer.errors import ConversionError
+from edgeinfer.converters.checkpoint import Checkpoint, read_floats
 from edgeinfer.models.arch import tensor_name
 
 TOKEN_EMBD = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
@@ -30,18 +28,7 @@ def read_rows(ckpt: Checkpoint, name: str, start: int, stop: int) -> np.ndarray:
     (these two are stored in GGUF's layout already: no RoPE permutation applies)."""
     if name not in VOCAB_MATRICES:
         raise ValueError(f"{name} is read whole with Checkpoint.weight")
-    ref = ckpt.tensors[name]
-    dtype = DTYPES[ref.dtype]
-    n_cols = math.prod(ref.shape[1:])
-    offset = ref.offset + start * n_cols * dtype.itemsize
-    raw = np.fromfile(ref.file, dtype=dtype, count=(stop - start) * n_cols, offset=offset).reshape(-1, n_cols)
-    rows = (raw.astype(np.uint32) << 16).view(np.float32) if ref.dtype == "BF16" else raw.astype(np.float32)
-    if not math.isfinite(rows.sum(dtype=np.float64)):
-        raise ConversionError(
-            f"{ref.file}: tensor '{ref.hf_name}' holds NaN or infinite values; the checkpoint is damaged, "
-            "download it again"
-        )
-    return rows
+    return read_floats(ckpt.tensors[name], start, stop - start)
 
 
 def row_blocks(ckpt: Checkpoint, name: str) -> Iterator[np.ndarray]:

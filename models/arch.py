@@ -90,7 +90,7 @@ _BY_GGUF_ARCH = {a.gguf_arch: a for a in ARCHITECTURES.values() if a.name != "mi
 
 # gguf-py's names for architectures, and the tensors each has: the tables llama.cpp's own converter
 # writes files by. An architecture missing here may still be one the installed llama.cpp runs.
-_GGUF_PY_ARCHS = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
+GGUF_PY_ARCHS = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
 # llama.cpp prefixes metadata keys with the architecture's name: a name that could not be a key part
 # (or a file name) is no architecture at all.
 _ARCH_NAME = re.compile(r"[a-z][a-z0-9_.\-]{0,63}")
@@ -292,9 +292,7 @@ def hparams_from_metadata(meta: Mapping[str, Any], tensor_names: set[str], file:
         )
         if window
         else ROPE_BASE_SWA,
-        # llama.cpp scales Gemma 3 27B's scores by its query_pre_attn_scalar, n_embd / n_head rather than
-        # the head size, and knows the model by its 62 layers.
-        attn_scale=1 / math.sqrt(n_embd // n_head) if prefix == "gemma3" and n_layer == 62 else None,
+        attn_scale=llamacpp_attn_scale(prefix, n_layer, n_embd, n_head),
         logit_softcap=positive(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0, low=0, limit=MAX_DIM, kind=float)
         if arch.logit_softcap
         else 0.0,
@@ -314,6 +312,12 @@ def _swa_layers(meta: Mapping[str, Any], prefix: str, pattern: int, n_layer: int
     if not _is_count(value):
         raise InvalidModelError(f"{file}: metadata '{key}' = {value!r} is neither a layer count nor one flag per layer")
     return swa_pattern_layers(value, n_layer)
+
+
+def llamacpp_attn_scale(arch: str, n_layer: int, n_embd: int, n_head: int) -> float | None:
+    """The attention scale llama.cpp uses where it is not 1/sqrt(head size) (None elsewhere): Gemma 3 27B's
+    query_pre_attn_scalar, n_embd / n_head, for the model llama.cpp knows by its 62 layers."""
+    return 1 / math.sqrt(n_embd // n_head) if arch == "gemma3" and n_layer == 62 else None
 
 
 def swa_pattern_layers(pattern: int, n_layer: int) -> tuple[bool, ...]:
@@ -441,9 +445,9 @@ def _check_llamacpp_tensors(hp: HParams, shapes: Mapping[str, tuple[int, ...]], 
                     f"{file}: tensor '{name}' has {shapes[name][1]} outputs, but the metadata implies {heads} KV heads "
                     f"of {size} ({heads * size})"
                 )
-    if arch not in _GGUF_PY_ARCHS:
+    if arch not in GGUF_PY_ARCHS:
         return  # newer than the installed gguf-py: llama.cpp's own checks stand alone
-    bases = [TENSOR_NAMES[kind] for kind in MODEL_TENSORS[_GGUF_PY_ARCHS[arch]]]
+    bases = [TENSOR_NAMES[kind] for kind in MODEL_TENSORS[GGUF_PY_ARCHS[arch]]]
     for name in shapes:
         layer, _, rest = name.removeprefix("blk.").partition(".") if name.startswith("blk.") else ("", "", name)
         if layer and not (layer.isdigit() and int(layer) < hp.n_layer):

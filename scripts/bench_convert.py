@@ -26,7 +26,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import click
 import numpy as np
@@ -36,6 +36,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]  # this c
 
 from gguf_to_hf import write_safetensors  # noqa: E402
 from hf_tokenizers import write_byte_level_bpe  # noqa: E402
+
+from edgeinfer.converters.convert import Stage  # noqa: E402
 
 # The dimensions of Qwen2.5-0.5B and Llama-3.2-1B (without its RoPE scaling, which the converter refuses).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -51,7 +53,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 # The first word of each stage's lines.
-STAGES = ("reading", "calibrating", "probing", "measuring", "writing", "evaluating")
+STAGES = get_args(Stage)
 WEIGHT_STD = 0.02  # what trained checkpoints' matrices hold (their initializer_range)
 
 
