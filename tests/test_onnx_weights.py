@@ -4,35 +4,23 @@ float64 product with gguf-py's own dequantization."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import QK_K
 from gguf.quants import dequantize
-from onnx import TensorProto, helper
 
-from edgeinfer.backends.onnx.weights import BLOCK, ZeroPoints, matmul, nbits
+from edgeinfer.backends.onnx.weights import BLOCK, ZeroPoints, nbits
 from edgeinfer.converters.quantize import quantize  # ggml's quantizers: gguf-py has none for K-quants
 
+from support import load_script
+
 RNG = np.random.default_rng(17)
+bench_matmulnbits = load_script("bench_matmulnbits")  # its one-product graph
 N, K = 48, 2 * QK_K
 
 
 def run(weight, a: np.ndarray, accuracy_level: int = 0) -> np.ndarray:
-    nodes, initializers = matmul(weight, "A", "Y", "w", accuracy_level)
-    graph = helper.make_graph(
-        nodes,
-        "product",
-        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, weight.k])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, weight.n])],
-        initializer=initializers,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    )
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session, _ = bench_matmulnbits.session(weight, accuracy_level, as_inputs=False, threads=1)
     return session.run(None, {"A": a})[0].astype(np.float64)
 
 

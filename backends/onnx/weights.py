@@ -109,12 +109,8 @@ def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroP
     if qtype == QType.Q5_1:
         return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]), zero=0, offsets=_f16(blocks[..., 2:4]))
     if qtype == QType.Q5_K:
-        supers = raw.reshape(n * (k // QK_K), -1)
-        d, dmin = _f16(supers[:, :2]).reshape(-1, 1), _f16(supers[:, 2:4]).reshape(-1, 1)
-        sc, mn = Q4_K.get_scale_min(supers[:, 4 : 4 + Q4_K.K_SCALE_SIZE])  # Q5_K's scales are laid out as Q4_K's
-        return _eight_bit(
-            raw, qtype, n, k, BLOCK, d * sc.astype(np.float32), zero=0, offsets=-(dmin * mn.astype(np.float32))
-        )
+        scales, offsets = _k_scales(raw, n, k)
+        return _eight_bit(raw, qtype, n, k, BLOCK, scales, zero=0, offsets=offsets)
     if qtype == QType.Q6_K:
         supers = raw.reshape(n * (k // QK_K), -1)
         d = _f16(supers[:, -2:]).reshape(-1, 1)
@@ -193,12 +189,18 @@ def _pack4(zero: np.ndarray) -> np.ndarray:
     return (zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1)
 
 
-def _q4_k(raw: np.ndarray, n: int, k: int) -> NBits:
+def _k_scales(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's per-block scales ``d * sc`` and offsets ``-dmin * mn`` (both lay them out alike),
+    float32, eight a super-block (n * k // QK_K, 8), formed as ggml forms them."""
     supers = raw.reshape(n * (k // QK_K), -1)
     d, dmin = _f16(supers[:, :2]).reshape(-1, 1), _f16(supers[:, 2:4]).reshape(-1, 1)
     sc, mn = Q4_K.get_scale_min(supers[:, 4 : 4 + Q4_K.K_SCALE_SIZE])
-    scales = d * sc.astype(np.float32)
-    offsets = -(dmin * mn.astype(np.float32))
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> NBits:
+    supers = raw.reshape(n * (k // QK_K), -1)
+    scales, offsets = _k_scales(raw, n, k)
     # Each 32 bytes of codes hold two blocks: the low nibbles one, the high nibbles the next.
     qs = supers[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)
     elements = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, k // BLOCK, BLOCK)
