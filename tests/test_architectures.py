@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from llamacpp_archs import write_tiny_granite, write_tiny_mamba
 
 from edgeinfer import (
-    BackendError,
     EdgeInferError,
     Engine,
     InvalidModelError,
