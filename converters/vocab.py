@@ -30,62 +30,12 @@ from typing import Any
 from gguf import GGUFWriter, TokenType
 
 from edgeinfer.errors import ConversionError
+from edgeinfer.models.pretokenizers import GPT2_SPLIT, PRE_BY_NAME, PRE_TOKENIZERS
 from edgeinfer.tokenizer import NORMALIZER_KEY, REMOVE_EXTRA_WHITESPACES_KEY
 
-# The regexes Hugging Face's pre-tokenizers split with, as tokenizer.json spells them.
-# ByteLevel(use_regex=True) splits with GPT-2's regex.
-GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SEED_CODER_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 # llama.cpp spells the case-insensitive contractions group out, its regex engine lacks (?i:...).
 _LLAMA_CPP_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-
-
-@dataclass(frozen=True)
-class PreTokenizer:
-    """A pre-tokenizer llama.cpp implements: ``name`` is its ``tokenizer.ggml.pre``, ``splits`` the
-    regexes, in order, that Hugging Face's pre-tokenizer splits text with before byte-level BPE."""
-
-    name: str
-    splits: tuple[str, ...]
-    # llama.cpp emits a word that is itself a token without applying merges (HF's BPE ignore_merges).
-    ignore_merges: bool = False
-    # llama.cpp's detokenizer drops the space before punctuation (HF's clean_up_tokenization_spaces).
-    clean_spaces: bool = True
-
-
-# Where two names split alike, the first is the one llama.cpp's converter gives the best-known family.
-PRE_TOKENIZERS: tuple[PreTokenizer, ...] = (
-    PreTokenizer("gpt-2", (GPT2_SPLIT,)),
-    PreTokenizer("smollm", (r"\p{N}", GPT2_SPLIT), clean_spaces=False),
-    PreTokenizer("starcoder", (r"\p{N}", GPT2_SPLIT)),
-    PreTokenizer("llama-bpe", (LLAMA3_SPLIT,), ignore_merges=True),
-    PreTokenizer("smaug-bpe", (LLAMA3_SPLIT,)),
-    PreTokenizer("qwen2", (QWEN2_SPLIT,), clean_spaces=False),
-    PreTokenizer("stablelm2", (QWEN2_SPLIT,)),
-    PreTokenizer("seed-coder", (SEED_CODER_SPLIT,), clean_spaces=False),
-    PreTokenizer("tekken", (TEKKEN_SPLIT,), ignore_merges=True, clean_spaces=False),
-    PreTokenizer(
-        "deepseek-coder",
-        (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
-        clean_spaces=False,
-    ),
-)
-_PRE_BY_NAME = {p.name: p for p in PRE_TOKENIZERS}
 
 
 @dataclass
@@ -179,8 +129,8 @@ def read_vocab(hf_dir: Path, n_vocab: int, pre: str | None = None) -> Vocab:
 def _read_vocab(hf_dir: Path, n_vocab: int, pre: str | None) -> Vocab:
     tokenizer_json = _read_json(hf_dir / "tokenizer.json")
     tokenizer_config = _read_json(hf_dir / "tokenizer_config.json") or {}
-    if pre is not None and pre not in _PRE_BY_NAME:
-        raise ConversionError(f"unknown pre-tokenizer {pre!r}; choose one of {', '.join(_PRE_BY_NAME)}")
+    if pre is not None and pre not in PRE_BY_NAME:
+        raise ConversionError(f"unknown pre-tokenizer {pre!r}; choose one of {', '.join(PRE_BY_NAME)}")
 
     has_model = (hf_dir / "tokenizer.model").is_file()
     model_type = (tokenizer_json or {}).get("model", {}).get("type")
@@ -247,7 +197,7 @@ def _identify_pre_tokenizer(tokenizer_json: Mapping[str, Any], tokenizer_config:
         raise ConversionError(
             f"tokenizer.json's pre-tokenizer {_describe(pre_tokenizer)} is not one llama.cpp implements; if you know "
             f"a llama.cpp pre-tokenizer that splits text the same way, pass --pre-tokenizer NAME "
-            f"(one of {', '.join(_PRE_BY_NAME)})"
+            f"(one of {', '.join(PRE_BY_NAME)})"
         )
     ignore_merges = bool(tokenizer_json["model"].get("ignore_merges", False))
     candidates = [p for p in same_splits if p.ignore_merges == ignore_merges]
@@ -341,7 +291,7 @@ def _pre_of_class(tokenizer_config: Mapping[str, Any]) -> str:
         raise ConversionError(
             f"vocab.json and merges.txt belong to tokenizer class {name or '(none in tokenizer_config.json)'}, "
             f"whose pre-tokenizer edgeinfer does not know; if you know a llama.cpp pre-tokenizer that splits text "
-            f"the same way, pass --pre-tokenizer NAME (one of {', '.join(_PRE_BY_NAME)})"
+            f"the same way, pass --pre-tokenizer NAME (one of {', '.join(PRE_BY_NAME)})"
         )
     return _PRE_OF_CLASS[name]
 

@@ -1,7 +1,9 @@
 """The tokenizer: llama.cpp's own, loaded vocab-only from the GGUF, shared by every backend.
 
 Using llama.cpp's tokenizer everywhere means every backend sees exactly the
-token ids llama.cpp would, pre-tokenizer quirks included.
+token ids llama.cpp would, pre-tokenizer quirks included. Where llama-cpp-python is not
+installed (a machine that runs only the ONNX Runtime backend), the same vocabulary is
+tokenized by Hugging Face ``tokenizers`` as llama.cpp would (``edgeinfer/vocabulary.py``).
 
 Any thread may call it, also while another closes it: the native vocabulary is used
 and freed under one lock, so a call after ``close()`` is a clear error, never a
@@ -33,38 +35,41 @@ from edgeinfer.errors import (
     InvalidModelError,
     InvalidOptionError,
 )
+from edgeinfer.vocabulary import GGUFVocabulary
 
 # The SentencePiece normalization a converted GGUF asks for (see the module's docstring).
 NORMALIZER_KEY = "edgeinfer.tokenizer.normalizer"
 REMOVE_EXTRA_WHITESPACES_KEY = "edgeinfer.tokenizer.remove_extra_whitespaces"
 
 
+LLAMACPP = "llamacpp"
+TOKENIZERS = "tokenizers"
+
+
 class Tokenizer:
     """Text to token ids and token ids to bytes, for one GGUF vocabulary."""
 
-    def __init__(self, path: str | Path) -> None:
-        # Imported here so that `import edgeinfer` works, and says what is wrong, without llama.cpp.
-        try:
-            from edgeinfer.backends.llamacpp import llama_lib, load_model
-        except NATIVE_LOAD_ERRORS as exc:
-            raise BackendUnavailableError(
-                f"llama-cpp-python, which edgeinfer tokenizes with, cannot be loaded ({exc}); "
-                "install it as README.md shows"
-            ) from None
-        self._model = None
-        self._lock = threading.Lock()  # held around every use of the native vocabulary, and its freeing
-        self._lib = llama_lib()
-        self._model = load_model(str(path), vocab_only=True)
-        self._vocab = self._lib.llama_model_get_vocab(self._model)
-        self.n_vocab: int = self._lib.llama_vocab_n_tokens(self._vocab)
-        self.bos_id: int = self._lib.llama_vocab_bos(self._vocab)
-        self.eos_id: int = self._lib.llama_vocab_eos(self._vocab)
-        self.add_bos: bool = bool(self._lib.llama_vocab_get_add_bos(self._vocab))
-        self._add_eos = bool(self._lib.llama_vocab_get_add_eos(self._vocab))
+    def __init__(self, path: str | Path, implementation: str | None = None) -> None:
+        """``implementation``: ``"llamacpp"`` or ``"tokenizers"`` (Hugging Face's); by default llama.cpp's
+        where llama-cpp-python loads, else tokenizers'."""
+        if implementation not in (None, LLAMACPP, TOKENIZERS):
+            raise InvalidOptionError(f"unknown tokenizer {implementation!r}; choose {LLAMACPP} or {TOKENIZERS}")
+        self._lock = threading.Lock()  # held around every use of the vocabulary, and its closing
+        self._vocabulary: _LlamaCppVocabulary | GGUFVocabulary | None = None
+        if implementation == TOKENIZERS or (implementation is None and not _llamacpp_loads()):
+            self._vocabulary = GGUFVocabulary(path)
+        else:
+            self._vocabulary = _LlamaCppVocabulary(path)
+        vocabulary = self._vocabulary
+        self.n_vocab: int = vocabulary.n_vocab
+        self.bos_id: int = vocabulary.bos_id
+        self.eos_id: int = vocabulary.eos_id
+        self.add_bos: bool = vocabulary.add_bos
+        self._add_eos = vocabulary.add_eos
         self._pieces: dict[int, bytes] = {}
         self._ends: dict[int, bool] = {}
         self._normalize = _sentencepiece_normalizer(
-            self._meta(NORMALIZER_KEY), self._meta(REMOVE_EXTRA_WHITESPACES_KEY) == "true", path
+            vocabulary.meta(NORMALIZER_KEY), vocabulary.meta(REMOVE_EXTRA_WHITESPACES_KEY) == "true", path
         )
 
     def encode(
@@ -97,15 +102,7 @@ class Tokenizer:
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         if self._normalize is not None:
             text = self._normalized(text, self._normalize, parse_special)
-        data = text.encode("utf-8")
-        capacity = len(data) + 2
-        buf = (ctypes.c_int32 * capacity)()
-        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        if n < 0:
-            capacity = -n
-            buf = (ctypes.c_int32 * capacity)()
-            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
-        return list(buf[:n])
+        return self._opened.tokenize(text, add_special, parse_special)
 
     def _normalized(self, text: str, normalize: Callable[[str], str], parse_special: bool) -> str:
         """``text`` as the model's SentencePiece normalizer leaves it. Parsing special tokens, each
@@ -145,13 +142,12 @@ class Tokenizer:
 
     @cached_property
     def _markers(self) -> re.Pattern[str]:
-        """Every control and unknown token's text: what llama.cpp turns into one token when parsing specials."""
-        lib, vocab = self._lib, self._vocab
-        flags = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+        """Every control and unknown token's text: what the tokenizer turns into one token when parsing specials."""
+        vocabulary = self._opened
         texts = {
-            self._render(token, special=True).decode("utf-8", "replace")
+            vocabulary.render(token, special=True).decode("utf-8", "replace")
             for token in range(self.n_vocab)
-            if lib.llama_vocab_get_attr(vocab, token) & flags
+            if vocabulary.is_marker(token)
         }
         longest_first = sorted((t for t in texts if t), key=len, reverse=True)
         return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
@@ -161,8 +157,8 @@ class Tokenizer:
         cached = self._pieces.get(token)
         if cached is None:
             with self._open():
-                cached = self._pieces[token] = self._render(token, special=False)
-        elif self._model is None:
+                cached = self._pieces[token] = self._opened.render(token, special=False)
+        elif self._vocabulary is None:
             raise _closed()
         return cached
 
@@ -174,7 +170,7 @@ class Tokenizer:
         if not 0 <= token < self.n_vocab:
             return ""
         with self._open():
-            return self._render(token, special=True).decode("utf-8", "replace")
+            return self._opened.render(token, special=True).decode("utf-8", "replace")
 
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
@@ -185,20 +181,95 @@ class Tokenizer:
         ends = self._ends.get(token)
         if ends is None:
             with self._open():
-                ends = self._ends[token] = bool(self._lib.llama_vocab_is_eog(self._vocab, token))
-        elif self._model is None:
+                ends = self._ends[token] = self._opened.is_end_of_generation(token)
+        elif self._vocabulary is None:
             raise _closed()
         return ends
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[None]:
-        """Hold the vocabulary open for a native call; a closed tokenizer is an error."""
+        """Hold the vocabulary open for a call; a closed tokenizer is an error."""
         with self._lock:
-            if self._model is None:
+            if self._vocabulary is None:
                 raise _closed()
             yield
 
-    def _meta(self, key: str) -> str | None:
+    @property
+    def _opened(self) -> _LlamaCppVocabulary | GGUFVocabulary:
+        """The vocabulary, inside ``_open``."""
+        assert self._vocabulary is not None
+        return self._vocabulary
+
+    def close(self) -> None:
+        """Free the vocabulary, after any call in progress in another thread has finished."""
+        with self._lock:
+            if self._vocabulary is not None:
+                self._vocabulary.close()
+                self._vocabulary = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
+            self.close()
+
+
+def _llamacpp_loads() -> bool:
+    try:
+        from edgeinfer.backends.llamacpp import llama_lib
+
+        llama_lib()
+    except NATIVE_LOAD_ERRORS:
+        return False
+    return True
+
+
+class _LlamaCppVocabulary:
+    """llama.cpp's tokenizer: the GGUF loaded vocab-only. Not thread-safe: ``Tokenizer`` serializes calls."""
+
+    def __init__(self, path: str | Path) -> None:
+        # Imported here so that `import edgeinfer` works, and says what is wrong, without llama.cpp.
+        try:
+            from edgeinfer.backends.llamacpp import llama_lib, load_model
+        except NATIVE_LOAD_ERRORS as exc:
+            raise BackendUnavailableError(
+                f"llama-cpp-python, which this tokenizer runs on, cannot be loaded ({exc}); "
+                "install it as README.md shows"
+            ) from None
+        self._lib = llama_lib()
+        self._model = load_model(str(path), vocab_only=True)
+        self._vocab = self._lib.llama_model_get_vocab(self._model)
+        self.n_vocab: int = self._lib.llama_vocab_n_tokens(self._vocab)
+        self.bos_id: int = self._lib.llama_vocab_bos(self._vocab)
+        self.eos_id: int = self._lib.llama_vocab_eos(self._vocab)
+        self.add_bos = bool(self._lib.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos = bool(self._lib.llama_vocab_get_add_eos(self._vocab))
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 2
+        buf = (ctypes.c_int32 * capacity)()
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (ctypes.c_int32 * capacity)()
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def render(self, token: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_marker(self, token: int) -> bool:
+        flags = self._lib.LLAMA_TOKEN_ATTR_CONTROL | self._lib.LLAMA_TOKEN_ATTR_UNKNOWN
+        return bool(self._lib.llama_vocab_get_attr(self._vocab, token) & flags)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def meta(self, key: str) -> str | None:
         """The GGUF metadata value under ``key`` as text, None if the file has no such key."""
         buf = ctypes.create_string_buffer(64)
         n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
@@ -207,24 +278,8 @@ class Tokenizer:
             n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
-    def _render(self, token: int, *, special: bool) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
-
     def close(self) -> None:
-        """Free the vocabulary, after any call in progress in another thread has finished."""
-        with self._lock:
-            if self._model:
-                self._lib.llama_model_free(self._model)
-                self._model = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
-            self.close()
+        self._lib.llama_model_free(self._model)
 
 
 def _sentencepiece_normalizer(rule: str | None, fold_whitespace: bool, path: str | Path) -> Callable[[str], str] | None:

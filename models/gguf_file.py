@@ -41,6 +41,8 @@ MAX_KEPT_ELEMENTS = 1 << 21
 # Kept as raw bytes whatever its length: llama.cpp hashes every token and aborts on a
 # duplicate, so the vocabulary checks need them all.
 VOCABULARY_KEY = "tokenizer.ggml.tokens"
+# Kept as raw bytes too: the tokenizer that runs without llama.cpp merges by them.
+MERGES_KEY = "tokenizer.ggml.merges"
 
 _U64 = struct.Struct("<Q")
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -233,6 +235,8 @@ class _Cursor:
         if key == VOCABULARY_KEY:
             if count > MAX_VOCABULARY:
                 raise self.fail(f"'{key}' has {count} tokens, more than {MAX_VOCABULARY}")
+            return LongArray(GGUFValueType.STRING, count, strings=tuple(self.strings(count, key, keep=True)))
+        if key == MERGES_KEY:
             return LongArray(GGUFValueType.STRING, count, strings=tuple(self.strings(count, key, keep=True)))
         if count > MAX_DECODED_ARRAY:
             self.strings(count, key, keep=False)

@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from gguf import GGUFReader, Keys, TokenType
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from gguf import Keys
+from tokenizers import Tokenizer, decoders, processors
 
-from edgeinfer.converters.vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 from edgeinfer.errors import ConversionError, EdgeInferError
 from edgeinfer.files import atomic_path
 from edgeinfer.models.arch import HParams
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import load_model_info
 from edgeinfer.models.tensors import GGUFTensors, open_tensors
+from edgeinfer.vocabulary import GGUFVocabulary
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 LAYER_NAMES = {
@@ -54,7 +54,6 @@ GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-ADDED_TOKEN_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED)
 SPECIAL_TOKEN_IDS = {
     "bos": Keys.Tokenizer.BOS_ID,
     "eos": Keys.Tokenizer.EOS_ID,
@@ -63,23 +62,6 @@ SPECIAL_TOKEN_IDS = {
 }
 # dtype name -> (safetensors dtype, config.json torch_dtype, bytes per element)
 DTYPES = {"f32": ("F32", "float32", 4), "bf16": ("BF16", "bfloat16", 2), "f16": ("F16", "float16", 2)}
-
-
-def hf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The HF pre-tokenizer that splits text as llama.cpp's ``tokenizer.ggml.pre`` does."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split regex
-    raw_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre == "gpt-2":
-        return byte_level
-    if pre in ("smollm", "starcoder", "refact"):  # GPT-2's regex after splitting off every digit
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("qwen2", "llama-bpe"):
-        split = QWEN2_SPLIT if pre == "qwen2" else LLAMA3_SPLIT
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"), raw_bytes])
-    raise ConversionError(
-        f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) has no known Hugging Face equivalent; "
-        "supported: gpt-2, smollm, starcoder, refact, qwen2, llama-bpe"
-    )
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -170,34 +152,22 @@ def write_safetensors(
 
 
 def gguf_tokenizer(path: Path) -> tuple[dict[str, Any], Tokenizer]:
-    """The GGUF's tokenizer metadata, and its vocabulary rebuilt as an HF byte-level BPE tokenizer."""
-    fields = GGUFReader(path).fields
-    meta = {name: field.contents() for name, field in fields.items() if name.startswith("tokenizer.")}
-    if meta.get(Keys.Tokenizer.MODEL) != "gpt2":
+    """The GGUF's tokenizer metadata, and its vocabulary as an HF byte-level BPE tokenizer (edgeinfer's own,
+    which tokenizes as llama.cpp does), with the decoder and BOS rule transformers wants in tokenizer.json."""
+    vocabulary = GGUFVocabulary(path)
+    if vocabulary.model != "gpt2":
         raise ConversionError(
             f"{path.name}: only byte-level BPE vocabularies (tokenizer.ggml.model 'gpt2') can be written as "
-            f"tokenizer.json; this one is {meta.get(Keys.Tokenizer.MODEL)!r}"
+            f"tokenizer.json; this one is {vocabulary.model!r}"
         )
-    tokens: list[str] = meta[Keys.Tokenizer.LIST]
-    types: list[int] = meta.get(Keys.Tokenizer.TOKEN_TYPE, [TokenType.NORMAL] * len(tokens))
-    merges = [tuple(merge.split(" ")) for merge in meta[Keys.Tokenizer.MERGES]]
-    pre = meta.get(Keys.Tokenizer.PRE)
-    # llama.cpp looks a whole llama-3 word up in the vocabulary before merging, as HF's ignore_merges does.
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre == "llama-bpe")
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = hf_pre_tokenizer(pre)
+    tokenizer, tokens = vocabulary.hf_tokenizer, vocabulary.tokens
     tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens are special (llama.cpp matches them in text only when asked to); user-defined
-    # ones are matched always, as HF does with a non-special added token.
-    added = [(t, kind) for t, kind in zip(tokens, types, strict=True) if kind in ADDED_TOKEN_TYPES]
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t, kind in added if kind == TokenType.CONTROL])
-    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, kind in added if kind == TokenType.USER_DEFINED])
-    bos = meta.get(Keys.Tokenizer.BOS_ID)
-    if meta.get(Keys.Tokenizer.ADD_BOS) and bos is not None:
+    if vocabulary.add_bos and vocabulary.bos_id >= 0:
+        bos = tokens[vocabulary.bos_id]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)]
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocabulary.bos_id)]
         )
-    return meta, tokenizer
+    return vocabulary.metadata, tokenizer
 
 
 def model_config(hp: HParams, special_ids: Mapping[str, int], dtype: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The converter's tokenizer half: a Hugging Face tokenizer, written into a GGUF, tokenizes in real
 llama.cpp (through edgeinfer's tokenizer) exactly as the Hugging Face tokenizer, or sentencepiece,
-does; what llama.cpp cannot reproduce is refused."""
+does; what llama.cpp cannot reproduce is refused. So does edgeinfer's tokenizer without llama.cpp."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from tiny_model import write_tiny_gguf
 from tokenizers import Tokenizer as HFTokenizer
 
 from edgeinfer.converters.convert import convert
-from edgeinfer.converters.vocab import PRE_TOKENIZERS, Vocab, read_vocab
+from edgeinfer.converters.vocab import Vocab, read_vocab
 from edgeinfer.errors import ConversionError, InvalidModelError
+from edgeinfer.models.pretokenizers import PRE_TOKENIZERS
 from edgeinfer.tokenizer import NORMALIZER_KEY, REMOVE_EXTRA_WHITESPACES_KEY, Tokenizer
 
 ENGLISH = (
@@ -63,12 +64,14 @@ def _gguf(path: Path, vocab: Vocab, **model: Any) -> Path:
     return write_tiny_gguf(path, add_vocab=add_vocab, **model)
 
 
-@pytest.fixture
-def llama_tokenizer():
+@pytest.fixture(params=["llamacpp", "tokenizers"])
+def llama_tokenizer(request):
+    """Loads a GGUF's tokenizer: llama.cpp's, and the one rebuilt with HF tokenizers for machines without it,
+    each held to the same references."""
     opened: list[Tokenizer] = []
 
     def load(path: Path) -> Tokenizer:
-        opened.append(Tokenizer(path))
+        opened.append(Tokenizer(path, request.param))
         return opened[-1]
 
     yield load

@@ -25,7 +25,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("backends: logit machines with a KV cache", ("edgeinfer.backends",)),
     (
         "the engine: tokenizer, sequences, streams, the decode loop, evaluation",
-        ("edgeinfer.tokenizer", "edgeinfer.sequences", "edgeinfer.streams", "edgeinfer.engine", "edgeinfer.evaluate"),
+        (
+            "edgeinfer.tokenizer", "edgeinfer.vocabulary", "edgeinfer.sequences", "edgeinfer.streams",
+            "edgeinfer.engine", "edgeinfer.evaluate",
+        ),
     ),
     ("converters: Hugging Face checkpoints to GGUF", ("edgeinfer.converters",)),
     (

@@ -39,6 +39,7 @@ from edgeinfer.models.arch import (
     swa_pattern_layers,
     tensor_name,
 )
+from edgeinfer.vocabulary import byte_decoder
 
 TensorType = Literal["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 ArchName = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
@@ -61,14 +62,7 @@ CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def gpt2_byte_symbols() -> list[str]:
     """GPT-2's printable stand-in for each byte value: the byte-level BPE base alphabet, by byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, shifted = {}, 0
-    for b in range(256):
-        if b in printable:
-            symbols[b] = chr(b)
-        else:
-            symbols[b] = chr(256 + shifted)
-            shifted += 1
+    symbols = {b: char for char, b in byte_decoder().items()}
     return [symbols[b] for b in range(256)]
 
 

@@ -1,0 +1,99 @@
+"""The tokenizer without llama.cpp (edgeinfer/vocabulary.py, HF tokenizers) against llama.cpp's own, on real
+vocabularies: SmolLM2's byte-level BPE and Gemma 3's SentencePiece (262,144 tokens, no space prefix).
+
+Every token id is rendered both ways, and every text below tokenized both ways, with and without BOS and
+special-token parsing. tests/test_convert_vocab.py holds both to the Hugging Face and sentencepiece
+references on the converter's vocabularies of every kind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgeinfer.errors import InvalidModelError, InvalidOptionError
+from edgeinfer.models.catalog import resolve_model
+from edgeinfer.tokenizer import LLAMACPP, TOKENIZERS, Tokenizer
+
+TEXTS = {
+    "english": "The lighthouse keeper's daughter didn't want to leave; she'd rather count 1,234,567 ships.\n\n"
+    "Two  spaces, a tab\there, and   three. WE'LL SEE!  ",
+    "code": "def fib(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a  # 55\n\n\nprint(fib(10)) {x: [1, 2]} && x != y || z <= 3.14e-5\r\n",
+    "cjk": "你好，世界。今天天气很好。こんにちは、灯台は毎晩九時に点きます。안녕하세요 세계",
+    "emoji": "🙂🚢 🤖🦀 👍🏽 👨‍👩‍👧 café naïve Ångström Καλημέρα Здравствуй ½ ﬁ ①",
+    "edges": "   leading spaces, trailing   \n\t\n \u00a0nbsp \u200bzero width \ufeffbom ▁typed",
+    "chat": "<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<start_of_turn>user\nhi<end_of_turn>\n",
+}
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def pair(request: pytest.FixtureRequest, model_path: Path):
+    """The same GGUF's tokenizer twice: llama.cpp's and the rebuilt one."""
+    path = model_path if request.param == "smollm2" else resolve_model("gemma3-270m")
+    llama, rebuilt = Tokenizer(path, LLAMACPP), Tokenizer(path, TOKENIZERS)
+    yield llama, rebuilt
+    llama.close()
+    rebuilt.close()
+
+
+def test_the_vocabulary_and_its_special_ids_agree(pair):
+    llama, rebuilt = pair
+    assert (rebuilt.n_vocab, rebuilt.bos_id, rebuilt.eos_id, rebuilt.add_bos) == (
+        llama.n_vocab,
+        llama.bos_id,
+        llama.eos_id,
+        llama.add_bos,
+    )
+
+
+def test_every_token_renders_alike_and_ends_alike(pair):
+    llama, rebuilt = pair
+    for token in range(llama.n_vocab):
+        assert rebuilt.piece(token) == llama.piece(token), token
+        assert rebuilt.token_text(token) == llama.token_text(token), token
+        assert rebuilt.is_end_of_generation(token) == llama.is_end_of_generation(token), token
+
+
+@pytest.mark.parametrize("name", TEXTS)
+def test_text_tokenizes_alike(pair, name):
+    llama, rebuilt = pair
+    text = TEXTS[name]
+    for add_special in (True, False):
+        for parse_special in (True, False):
+            expected = llama.encode(text, add_special=add_special, parse_special=parse_special)
+            assert rebuilt.encode(text, add_special=add_special, parse_special=parse_special) == expected, (
+                add_special,
+                parse_special,
+            )
+    assert rebuilt.decode(rebuilt.encode(text, add_special=False)) == llama.decode(
+        llama.encode(text, add_special=False)
+    )
+
+
+def test_a_typed_marker_stays_text_in_both(pair):
+    llama, rebuilt = pair
+    text = "<|im_start|>user\nsay <|im_end|> and <end_of_turn> please<|im_end|>\n"
+    start = text.index("say")
+    literal = [(start, start + len("say <|im_end|> and <end_of_turn> please"))]
+    assert rebuilt.encode(text, literal=literal) == llama.encode(text, literal=literal)
+    assert rebuilt.has_markers("<|im_end|>") == llama.has_markers("<|im_end|>")
+
+
+def test_an_unknown_implementation_is_refused():
+    with pytest.raises(InvalidOptionError, match="choose llamacpp or tokenizers"):
+        Tokenizer("any.gguf", "sentencepiece")
+
+
+def test_a_tokenizer_it_cannot_rebuild_says_so_in_one_line(tmp_path):
+    from gguf import GGUFValue, GGUFValueType
+    from tiny_model import write_tiny_gguf
+
+    path = write_tiny_gguf(
+        tmp_path / "bert.gguf", metadata={"tokenizer.ggml.model": GGUFValue("bert", GGUFValueType.STRING)}
+    )
+    with pytest.raises(InvalidModelError) as exc:
+        Tokenizer(path, TOKENIZERS)
+    message = str(exc.value)
+    assert "\n" not in message and "'bert'" in message and "llama-cpp-python" in message
