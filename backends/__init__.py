@@ -17,6 +17,7 @@ log = logging.getLogger("edgeinfer.backends")
 # through tests/test_backend_conformance.py without further ado.
 BACKENDS: dict[str, str] = {
     "llamacpp": "edgeinfer.backends.llamacpp:LlamaCppBackend",
+    "onnxruntime": "edgeinfer.backends.onnx.backend:OnnxRuntimeBackend",
     "reference": "edgeinfer.backends.reference:ReferenceBackend",
 }
 
@@ -64,7 +65,8 @@ def backend_status(info: ModelInfo | None = None) -> dict[str, str]:
     status = {}
     for name in BACKENDS:
         try:
-            reason = backend_class(name).supports(info) if info is not None else None
+            cls = backend_class(name)  # loaded, model or not: one that cannot load here is not available
+            reason = cls.supports(info) if info is not None else None
         except BackendUnavailableError as exc:
             reason = str(exc)
         status[name] = AVAILABLE if reason is None else reason

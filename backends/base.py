@@ -7,7 +7,7 @@ case in the engine, change this contract instead.
 
 Sequences are numbered ``0 .. n_seq - 1``. The KV cache is one pool of ``capacity`` cells shared
 by all of them: a cell holds one position of one sequence, or of several once ``copy_prefix``
-has shared it. Positions are 0-based and contiguous from 0 within a sequence.
+has shared it (where the backend ``shares_cells``). Positions are 0-based and contiguous from 0 within a sequence.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class Backend(Protocol):
     """The backend allocates KV in multiples of this many cells."""
     kv_types: ClassVar[tuple[str, ...]]
     """KV cache element types it supports, e.g. ``("f16", "q8_0")``."""
+    shares_cells: ClassVar[bool]
+    """Whether ``copy_prefix`` shares the source's cells (free) or copies them (a cell per copied position)."""
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
         """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot (a model ``supports``
@@ -157,8 +159,9 @@ class Backend(Protocol):
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make sequence ``dst`` hold ``src``'s first ``n`` positions, without recomputing them.
 
-        ``dst`` is emptied first. The cells are shared, not copied: they cost nothing until
-        one of the two sequences is truncated past them.
+        ``dst`` is emptied first. With ``shares_cells`` the cells are shared, not copied: they cost
+        nothing until one of the two sequences is truncated past them. Without it they are copied, and a
+        copy that does not fit the free cells is a one-line ``BackendError`` that leaves ``dst`` empty.
         """
         ...
 

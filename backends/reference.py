@@ -28,6 +28,7 @@ class ReferenceBackend:
     name: ClassVar[str] = "reference"
     kv_block: ClassVar[int] = 1
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
+    shares_cells: ClassVar[bool] = True
     _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
 
     @classmethod

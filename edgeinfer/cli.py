@@ -88,9 +88,12 @@ def _placement_options(fn: F) -> F:
     )(fn)
     return click.option(
         "--device",
+        "--onnx-provider",
+        "device",
         default="cpu",
         show_default=True,
-        help="Where the model runs: cpu, or a GPU its backend offers (an unknown name lists them).",
+        help="Where the model runs: cpu, or a GPU its backend offers; for the onnxruntime backend, an execution "
+        "provider by its name, e.g. CUDAExecutionProvider (an unknown name lists them; `edgeinfer info` too).",
     )(fn)
 
 
@@ -512,6 +515,7 @@ def info(model: str | None, as_json: bool) -> None:
         "free_cores": free_cores(),
         "ram_available_bytes": available_ram(),
         "backends": backend_status(),
+        "devices": _devices(),
         "llama_cpp_build": _llama_cpp_build(),
     }
     if model is not None:
@@ -553,6 +557,8 @@ def info(model: str | None, as_json: bool) -> None:
     click.echo(f"llama.cpp:     {report['llama_cpp_build']}")
     for name, state in report["backends"].items():
         click.echo(f"backend {name}: {state}")
+        if name in report["devices"]:
+            click.echo(f"  devices: {', '.join(report['devices'][name])}")
     if model is not None:
         m = report["model"]
         click.echo(f"\nmodel:         {m['name']} ({m['architecture']})")
@@ -577,6 +583,20 @@ def info(model: str | None, as_json: bool) -> None:
         for i, (name, state) in enumerate(m["backends"].items()):
             verdict = "supports it" + (" (auto's choice)" if name == auto else "") if state == AVAILABLE else state
             click.echo(f"{'backends:' if i == 0 else '':<15}{name}: {verdict}")
+
+
+def _devices() -> dict[str, list[str]]:
+    """Where each backend that loads here can run, by the names --device takes (ONNX Runtime's providers too)."""
+    from edgeinfer.backends import BACKENDS, backend_class
+    from edgeinfer.errors import BackendUnavailableError
+
+    found = {}
+    for name in BACKENDS:
+        try:
+            found[name] = [device.name for device in backend_class(name).devices()]
+        except BackendUnavailableError:
+            continue
+    return found
 
 
 def _llama_cpp_build() -> str:

@@ -1,9 +1,9 @@
 """What each of the backend's KV sequences holds, as the engine sees it, and how many cells they take.
 
 The backend keeps one pool of KV cells for all sequences, and ``copy_prefix`` shares cells
-between them. The engine mirrors each sequence's tokens here, with what it needs to reuse
-them exactly (``exact``, the last prompt and its logits), and counts the cells in use: a
-cell shared by several sequences counts once.
+between them (or copies them, where the backend does not ``shares_cells``). The engine mirrors
+each sequence's tokens here, with what it needs to reuse them exactly (``exact``, the last
+prompt and its logits), and counts the cells in use: a cell shared by several sequences counts once.
 
 Cells are counted by group: positions a sequence appended in one go, since its last
 truncation, copy or eviction, belong to one group, and a copy references a prefix of the
@@ -110,7 +110,10 @@ class SequenceCache:
         target.tokens = source.tokens[:n]
         target.exact = min(source.exact, n)
         target.last_prompt = target.last_logits = None
-        target._groups = [[g, a, min(b, n)] for g, a, b in source._groups if a < n]
+        if self.backend.shares_cells:
+            target._groups = [[g, a, min(b, n)] for g, a, b in source._groups if a < n]
+        else:  # cells of its own
+            target._groups = [[next(self._group_ids), 0, n]] if n else []
         target._appending = False
 
     def evict(self, seq: int, start: int, end: int) -> None:

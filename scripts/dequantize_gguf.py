@@ -1,4 +1,4 @@
-"""Write a copy of a GGUF model with every tensor dequantized to F32 (or F16).
+"""Write a copy of a GGUF model with every tensor dequantized to F32 (or F16, or requantized to Q8_0).
 
 The copy has the same metadata and tokenizer, so llama.cpp and the reference backend can be
 compared without llama.cpp's 8-bit activation rounding for quantized weights, which differs
@@ -15,14 +15,19 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
+from edgeinfer.converters.quantize import quantize
 from edgeinfer.files import atomic_path
 from edgeinfer.models.catalog import resolve_model
-from edgeinfer.models.info import load_model_info
+from edgeinfer.models.info import ModelInfo, load_model_info
 from edgeinfer.models.tensors import open_tensors
 
-FILE_TYPES = {"f32": (np.float32, LlamaFileType.ALL_F32), "f16": (np.float16, LlamaFileType.MOSTLY_F16)}
+FILE_TYPES = {
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
 
 
 def copy_metadata(reader: GGUFReader, writer: GGUFWriter, file_type: LlamaFileType) -> None:
@@ -50,20 +55,28 @@ def main() -> None:
     parser.add_argument("output", type=Path)
     parser.add_argument("--type", choices=sorted(FILE_TYPES), default="f32")
     args = parser.parse_args()
-    dtype, file_type = FILE_TYPES[args.type]
-    info = load_model_info(resolve_model(args.model))
-    with atomic_path(args.output) as partial:
+    write_copy(load_model_info(resolve_model(args.model)), args.output, args.type)
+    print(f"wrote {args.output} ({args.output.stat().st_size / 2**20:,.1f} MiB)")
+
+
+def write_copy(info: ModelInfo, output: Path, kind: str) -> None:
+    """Write ``info``'s model to ``output`` with every matrix as ``kind`` (a FILE_TYPES name); vectors stay F32."""
+    qtype, file_type = FILE_TYPES[kind]
+    with atomic_path(output) as partial:
         writer = GGUFWriter(partial, info.architecture)
         copy_metadata(GGUFReader(info.path), writer, file_type)
         with open_tensors(info) as tensors:
             for name in tensors:
                 data = tensors.dequantize(name)
-                writer.add_tensor(name, data if data.ndim == 1 else data.astype(dtype))  # norms stay F32
+                if data.ndim == 1:  # norms stay F32
+                    writer.add_tensor(name, data)
+                else:
+                    blocks = quantize(data, qtype)
+                    writer.add_tensor(name, blocks, raw_dtype=qtype if blocks.dtype == np.uint8 else None)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    print(f"wrote {args.output} ({args.output.stat().st_size / 2**20:,.1f} MiB)")
 
 
 if __name__ == "__main__":

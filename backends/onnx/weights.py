@@ -40,6 +40,10 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 BLOCK = 32  # elements in a block of the 32-element types, and in a K-quant's sub-blocks (Q6_K's: 16)
 K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+# The types ``nbits`` maps.
+NBITS_TYPES = (
+    QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_0, QType.Q5_1, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_NL,
+)  # fmt: skip
 
 
 class ZeroPoints(Enum):
@@ -85,6 +89,27 @@ class NBits:
         if self.offsets is not None:
             w += self.offsets.astype(np.float64)[..., None]
         return w.reshape(self.n, self.k)
+
+
+def concat(weights: list[NBits]) -> NBits:
+    """Matrices of one type and width stacked by rows, as one (their outputs side by side)."""
+    first = weights[0]
+    if len(weights) == 1:
+        return first
+
+    def joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
+
+    return NBits(
+        sum(w.n for w in weights),
+        first.k,
+        first.bits,
+        np.concatenate([w.codes for w in weights]),
+        np.concatenate([w.scales for w in weights]),
+        joined([w.zero_points for w in weights]),  # per row, each row's packed to whole bytes
+        joined([w.offsets for w in weights]),
+        first.block_size,
+    )
 
 
 def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroPoints.FLOAT) -> NBits:
@@ -167,7 +192,7 @@ def _q4_1(blocks: np.ndarray, n: int, k: int, zero_points: ZeroPoints) -> NBits:
             4,
             codes,
             d.astype(np.float32),
-            _pack4(np.zeros((n, k // BLOCK), np.uint8)),
+            pack4(np.zeros((n, k // BLOCK), np.uint8)),
             m.reshape(n, -1).astype(np.float32),
         )
     if zero_points is ZeroPoints.FLOAT:
@@ -179,10 +204,10 @@ def _q4_1(blocks: np.ndarray, n: int, k: int, zero_points: ZeroPoints) -> NBits:
     zero = np.clip(np.rint(-m / np.where(flat, 1.0, d)), 0, 15)
     zero[flat] = 15
     scale = np.where(flat, -m / 15, d)
-    return NBits(n, k, 4, codes, scale.astype(np.float32), _pack4(zero.astype(np.uint8).reshape(n, -1)))
+    return NBits(n, k, 4, codes, scale.astype(np.float32), pack4(zero.astype(np.uint8).reshape(n, -1)))
 
 
-def _pack4(zero: np.ndarray) -> np.ndarray:
+def pack4(zero: np.ndarray) -> np.ndarray:
     """Per-block 4-bit zero points (n, blocks) as MatMulNBits packs them: two a byte, each row padded to whole bytes."""
     if zero.shape[1] % 2:
         zero = np.concatenate([zero, np.zeros((zero.shape[0], 1), np.uint8)], axis=1)
@@ -204,7 +229,7 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> NBits:
     # Each 32 bytes of codes hold two blocks: the low nibbles one, the high nibbles the next.
     qs = supers[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)
     elements = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, k // BLOCK, BLOCK)
-    zeros = _pack4(np.zeros((n, k // BLOCK), np.uint8))
+    zeros = pack4(np.zeros((n, k // BLOCK), np.uint8))
     return NBits(n, k, 4, _pack(elements), scales.reshape(-1), zeros, offsets.reshape(n, -1))
 
 
@@ -223,9 +248,11 @@ def _f16(pairs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(pairs).view(np.float16).reshape(-1).astype(np.float32)
 
 
-def matmul(weight: NBits, a: str, y: str, name: str, accuracy_level: int) -> tuple[list[NodeProto], list[TensorProto]]:
-    """The nodes computing ``y = a @ W.T`` for float32 ``a`` of shape (rows, k), and their initializers
-    (named after ``name``)."""
+def matmul(
+    weight: NBits, a: str, y: str, name: str, accuracy_level: int, rank: int = 2
+) -> tuple[list[NodeProto], list[TensorProto]]:
+    """The nodes computing ``y = a @ W.T`` for float32 ``a`` of ``rank`` dimensions, the last ``k``, and their
+    initializers (named after ``name``)."""
     arrays = {f"{name}.codes": weight.codes, f"{name}.scales": weight.scales}
     if weight.zero_points is not None:
         arrays[f"{name}.zero_points"] = weight.zero_points
@@ -247,7 +274,8 @@ def matmul(weight: NBits, a: str, y: str, name: str, accuracy_level: int) -> tup
     if weight.offsets is not None:
         # Each block's m times the sum of the block's inputs: a product 32 times smaller than W's.
         blocks = weight.k // weight.block_size
-        arrays[f"{name}.block_shape"] = np.array([0, blocks, weight.block_size], np.int64)  # 0: a's rows, as they are
+        # 0: a's leading dimensions, as they are
+        arrays[f"{name}.block_shape"] = np.array([0] * (rank - 1) + [blocks, weight.block_size], np.int64)
         arrays[f"{name}.reduce_axes"] = np.array([-1], np.int64)
         arrays[f"{name}.offsets"] = np.ascontiguousarray(weight.offsets.T)
         nodes += [

@@ -1,0 +1,304 @@
+"""The ONNX Runtime backend: the GGUF's own blocks in a graph built from the file (``graph.py``).
+
+The KV cache is one pool of ``capacity`` cells per layer, keys and values, allocated once.
+GroupQueryAttention wants each sequence's cache as one dense ``(1, kv heads, cells, head_dim)``
+tensor whose past and present are the same buffer, so each sequence owns a contiguous region
+of the pool, bound to the graph by address (IO binding): no token's keys are ever copied to
+run a step. Regions are sized to what their sequences hold plus a share of the free cells; a
+sequence that outgrows its region has the regions laid out afresh (a copy of the cells in use,
+rare). ``copy_prefix`` copies cells, so a copy costs cells (``shares_cells`` is False).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import onnxruntime as ort
+
+from edgeinfer.errors import BackendError, BackendUnavailableError
+from edgeinfer.models.info import ModelInfo
+from edgeinfer.models.reference import Transformer
+from edgeinfer.models.tensors import open_tensors
+from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
+
+from ..base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
+from .graph import (
+    INPUT_IDS,
+    LOGIT_ROWS,
+    LOGITS,
+    POSITION_IDS,
+    SEQLENS_K,
+    TOTAL_LENGTH,
+    GraphSpec,
+    past_names,
+    present_names,
+    unmapped_types,
+)
+from .graph_cache import cached_graph
+
+# float32 activations for 4-bit codes: int8 ones decode SmolLM2 1.27x faster but move its logits 300 million
+# times further from the reference (KLD 1.7e-2 against 5.8e-11; docs/BENCHMARKS.md).
+ACCURACY_LEVEL = 0
+log = logging.getLogger("edgeinfer.backends.onnx")
+CPU_PROVIDER = "CPUExecutionProvider"
+
+
+@dataclass
+class _Region:
+    """A sequence's part of the pool: ``size`` cells from ``start``, the first ``length`` of them in use."""
+
+    start: int
+    size: int
+    length: int = 0
+
+
+class OnnxRuntimeBackend:
+    """GGUF models on ONNX Runtime: MatMulNBits over the file's blocks, GroupQueryAttention over a fixed cache."""
+
+    name: ClassVar[str] = "onnxruntime"
+    kv_block: ClassVar[int] = 1
+    kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
+    shares_cells: ClassVar[bool] = False
+    _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
+
+    @classmethod
+    def supports(cls, info: ModelInfo) -> str | None:
+        hp = info.hparams
+        if not hp.arch.reference:
+            return f"its graph builder does not implement the {info.architecture} architecture"
+        if hp.rope_scaling != "none":
+            return f"{info.path.name} scales RoPE for a longer context ({hp.rope_scaling}), which it does not build"
+        if hp.kv_heads_per_layer or hp.value_dim not in (None, hp.head_dim):
+            return f"{info.path.name} has layers of different attention shapes, which it does not build"
+        types = unmapped_types(info)
+        if types:
+            return f"{info.path.name} has {', '.join(types)} tensors, which it has no ONNX form for"
+        return None
+
+    @classmethod
+    def devices(cls) -> list[Device]:
+        """The CPU, then every other execution provider the installed onnxruntime offers, by its own name."""
+        others = [name for name in ort.get_available_providers() if name != CPU_PROVIDER]
+        return [Device(CPU, "the CPU, through ONNX Runtime's CPU execution provider")] + [
+            Device(name, f"ONNX Runtime's {name}, falling back to the CPU for what it cannot run") for name in others
+        ]
+
+    @classmethod
+    def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
+        return info.kv_values_per_token * np.dtype(cls._KV_DTYPES[kv_type]).itemsize
+
+    @classmethod
+    def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
+        kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
+        # The graph's copy of the blocks, and the kernels' prepacked one.
+        return MemoryNeed(
+            weights=2 * info.file_size, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+        )
+
+    def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
+        reason = self.supports(info)
+        if reason is not None:
+            raise BackendUnavailableError(f"the onnxruntime backend cannot run this model: {reason}")
+        self._closed = True  # until loaded
+        hp = info.hparams
+        self._hp = hp
+        self._n_vocab = hp.n_vocab
+        self._batch_size = options.batch_size
+        spec = GraphSpec(options.kv_type, ACCURACY_LEVEL)
+        graph = cached_graph(info, spec)
+        self._session = self._open_session(info, graph, options)
+        with open_tensors(info) as tensors:
+            self._rotary = Transformer(hp, tensors.dequantize)  # RoPE frequencies, for re-rotating evicted keys
+        self._dtype = self._KV_DTYPES[options.kv_type]
+        self._row = hp.n_head_kv * hp.head_dim  # values one cell of one layer's keys takes
+        capacity = options.kv_tokens
+        self._pool = np.zeros((hp.n_layer, 2, capacity * self._row), self._dtype)
+        share = capacity // options.n_seq
+        self._regions = [_Region(seq * share, share) for seq in range(options.n_seq)]
+        self._regions[-1].size = capacity - self._regions[-1].start
+        self._bindings: dict[int, ort.IOBinding] = {}  # a sequence's cache, bound: dropped when regions move
+        self._last_logits = np.zeros((options.n_seq, 1, hp.n_vocab), np.float32)  # each sequence's last row
+        self._closed = False
+
+    # -- contract -----------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.shape[2] // self._row
+
+    @property
+    def n_seq(self) -> int:
+        return len(self._regions)
+
+    @property
+    def can_shift(self) -> bool:
+        return True
+
+    @property
+    def can_truncate(self) -> bool:
+        return True
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
+        self._check_open()
+        lengths = self._lengths()
+        check_spans(spans, lengths)
+        wanted = sum(len(span.tokens) for span in spans)
+        free = self.capacity - sum(lengths)
+        if wanted > free:
+            raise BackendError(f"the KV cache is full: {wanted} new positions, {free} of {self.capacity} cells free")
+        needs = {span.seq: span.start + len(span.tokens) for span in spans}
+        if any(need > self._regions[seq].size for seq, need in needs.items()):
+            self._lay_out(needs)
+        out = []
+        try:
+            for span in spans:
+                rows = [self._run(span.seq, span.tokens[i : i + self._batch_size], span.all_logits)
+                        for i in range(0, len(span.tokens), self._batch_size)]  # fmt: skip
+                out.append(np.concatenate(rows) if span.all_logits else rows[-1][-1])
+        except BaseException:
+            for span in spans:  # a failed evaluation changes nothing
+                self._regions[span.seq].length = span.start
+            raise
+        return out
+
+    def truncate(self, seq: int, n: int) -> None:
+        self._check_open()
+        check_sequence(seq, self._lengths())
+        region = self._regions[seq]
+        region.length = min(region.length, n)
+
+    def evict(self, seq: int, start: int, end: int) -> None:
+        self._check_open()
+        check_sequence(seq, self._lengths())
+        region = self._regions[seq]
+        cache = self._view(seq)  # (layers, 2, kv heads, cells, head_dim)
+        kept = cache[:, :, :, end : region.length].copy()
+        # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
+        back = np.full(kept.shape[3], start - end)
+        for layer in range(self._hp.n_layer):
+            keys = kept[layer, 0].transpose(1, 0, 2).astype(np.float32)  # (cells, kv heads, head_dim)
+            kept[layer, 0] = self._rotary.rope(keys, back, layer).transpose(1, 0, 2)
+        cache[:, :, :, start : start + kept.shape[3]] = kept
+        region.length -= end - start
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self._check_open()
+        check_copy(src, dst, n, self._lengths())
+        self._regions[dst].length = 0
+        if n > self._regions[dst].size:
+            if n > self.capacity - sum(self._lengths()):
+                raise BackendError(
+                    f"the KV cache is full: copying {n} positions needs {n} free cells, "
+                    f"{self.capacity - sum(self._lengths())} of {self.capacity} are"
+                )
+            self._lay_out({dst: n})
+        self._view(dst)[:, :, :, :n] = self._view(src)[:, :, :, :n]
+        self._regions[dst].length = n
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._bindings.clear()
+        del self._session
+        self._pool = np.zeros((0, 2, 0), self._dtype)
+
+    # -- inside -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _open_session(info: ModelInfo, graph: Path, options: BackendOptions) -> ort.InferenceSession:
+        """A session on ``options.device``'s provider (the CPU taking the nodes it cannot run), or on the CPU alone,
+        with a one-line note, where that provider cannot run the graph at all."""
+        settings = ort.SessionOptions()
+        settings.intra_op_num_threads = options.threads
+        settings.inter_op_num_threads = 1
+        settings.log_severity_level = 4  # fatal only: a failed run becomes one BackendError line, not a log line too
+        wanted = [CPU_PROVIDER] if options.device == CPU else [options.device, CPU_PROVIDER]
+        try:
+            session = ort.InferenceSession(str(graph), settings, providers=wanted)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own classes, all of them Exception
+            if options.device == CPU:
+                raise BackendError(f"ONNX Runtime cannot load the graph built for {info.path.name}: {exc}") from None
+            log.warning("%s cannot run %s (%s); running on the CPU", options.device, info.path.name, _first_line(exc))
+            return OnnxRuntimeBackend._open_session(info, graph, dataclasses.replace(options, device=CPU))
+        if options.device != CPU and options.device not in session.get_providers():
+            log.warning("%s cannot run %s here; running on the CPU", options.device, info.path.name)
+        return session
+
+    def _run(self, seq: int, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
+        region = self._regions[seq]
+        binding = self._bindings.get(seq) or self._bind(seq)
+        n, start = len(tokens), region.length
+        total = start + n
+        binding.bind_cpu_input(INPUT_IDS, np.asarray(tokens, np.int64).reshape(1, n))
+        binding.bind_cpu_input(POSITION_IDS, np.arange(start, total, dtype=np.int64).reshape(1, n))
+        binding.bind_cpu_input(SEQLENS_K, np.array([total - 1], np.int32))
+        binding.bind_cpu_input(TOTAL_LENGTH, np.array(total, np.int32))
+        rows = np.arange(n, dtype=np.int64) if all_logits else np.array([n - 1], np.int64)
+        binding.bind_cpu_input(LOGIT_ROWS, rows)
+        logits = np.empty((n, self._n_vocab), np.float32) if all_logits else self._last_logits[seq]
+        binding.bind_output(LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        region.length = total  # the cells the step writes are the sequence's now (undone if it fails)
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's failures are its own Exception classes
+            raise BackendError(f"ONNX Runtime failed mid-evaluation: {_first_line(exc)}") from None
+        return logits
+
+    def _bind(self, seq: int) -> ort.IOBinding:
+        """An IO binding with ``seq``'s region of every layer's cache as its past and present."""
+        binding = self._session.io_binding()
+        view = self._view(seq)
+        shape = view.shape[2:]
+        for layer in range(self._hp.n_layer):
+            for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer), strict=True)):
+                address = view[layer, kind].ctypes.data  # keys (0) or values (1)
+                binding.bind_input(past, "cpu", 0, self._dtype, (1, *shape), address)
+                binding.bind_output(present, "cpu", 0, self._dtype, (1, *shape), address)
+        self._bindings[seq] = binding
+        return binding
+
+    def _view(self, seq: int) -> np.ndarray:
+        """``seq``'s region of the pool: (layers, keys and values, kv heads, cells, head_dim), a view."""
+        region, hp = self._regions[seq], self._hp
+        cells = self._pool[:, :, region.start * self._row : (region.start + region.size) * self._row]
+        return cells.reshape(hp.n_layer, 2, hp.n_head_kv, region.size, hp.head_dim)
+
+    def _lay_out(self, needs: dict[int, int]) -> None:
+        """Lay the regions out afresh so that each sequence in ``needs`` has that many cells: every region keeps
+        what it holds, the growing ones share half of the cells left over, and every sequence gets an even
+        share of the other half."""
+        held = [self._view(s)[:, :, :, : r.length].copy() for s, r in enumerate(self._regions)]
+        sizes = [max(needs.get(s, 0), r.length) for s, r in enumerate(self._regions)]
+        spare = self.capacity - sum(sizes)
+        sizes = [size + spare // 2 // len(sizes) + (spare // 2 // len(needs) if s in needs else 0)
+                 for s, size in enumerate(sizes)]  # fmt: skip
+        sizes[max(needs)] += self.capacity - sum(sizes)
+        start = 0
+        for region, size in zip(self._regions, sizes, strict=True):
+            region.start, region.size = start, size
+            start += size
+        for s, cells in enumerate(held):
+            self._view(s)[:, :, :, : cells.shape[3]] = cells
+        self._bindings.clear()
+
+    def _lengths(self) -> list[int]:
+        return [region.length for region in self._regions]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("this onnxruntime backend is closed (its engine was closed); create a new Engine")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
