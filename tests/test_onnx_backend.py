@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +179,25 @@ def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
         prompt = engine.tokenize("The capital of France is")
         rows = engine.logits(prompt + greedy.tokens[:-1])
         assert [int(r.argmax()) for r in rows[len(prompt) - 1 :]] == greedy.tokens
+
+
+WITHOUT_LLAMA_CPP = """
+import sys
+sys.modules["llama_cpp"] = None  # as on a machine where llama-cpp-python is not installed
+from edgeinfer import Engine
+with Engine(sys.argv[1], kv_budget="512tok", threads=2) as engine:
+    print(engine.backend.name, type(engine.tokenizer._vocabulary).__name__)
+    print(" ".join(map(str, engine.tokenize(sys.argv[2]))))
+"""
+
+
+def test_without_llama_cpp_auto_runs_onnxruntime_and_tokenizes_as_llama_cpp(model_path):
+    text = "Hello, world! 你好 🙂 def f(x): return x**2"
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_LLAMA_CPP, str(model_path), text], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    chosen, tokens = done.stdout.strip().splitlines()
+    assert chosen == "onnxruntime GGUFVocabulary"
+    with Engine(model_path, backend="onnxruntime", kv_budget="512tok", threads=2) as engine:
+        assert [int(t) for t in tokens.split()] == engine.tokenize(text)
