@@ -11,7 +11,7 @@ first evictions are done by then): with a fixed budget it should be ~0.
 
 Reproduce (on a quiet machine; --threads at most the free physical cores):
 
-    python scripts/kv_soak.py --tokens 20000 --kv-budget 512tok --threads 2 --seed 0
+    python scripts/kv_soak.py --tokens 20000 --kv-budget 512tok --threads 2 --seed 0 [--backend onnxruntime]
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ WARM = 1000  # tokens after which the cache has filled and RSS should stop movin
 MIB = 2**20
 
 
-def soak(model: str, policy: str, budget: str, n_tokens: int, threads: int, seed: int) -> dict[str, Any]:
+def soak(model: str, backend: str, policy: str, budget: str, n_tokens: int, threads: int, seed: int) -> dict[str, Any]:
     process = psutil.Process()
     samples: list[tuple[int, int]] = []  # (chunks so far, RSS bytes)
     out: dict[str, Any] = {"policy": policy}
-    with Engine(model, kv_budget=budget, kv_policy=policy, threads=threads) as engine:
+    with Engine(model, backend=backend, kv_budget=budget, kv_policy=policy, threads=threads) as engine:
         stream = engine.stream(PROMPT, max_tokens=n_tokens, ignore_eos=True, temperature=0.8, seed=seed)
         # A chunk is one token's text, except that a character split across tokens arrives
         # once whole and an empty piece yields nothing: chunks count tokens closely enough
@@ -82,6 +82,7 @@ def soak(model: str, policy: str, budget: str, n_tokens: int, threads: int, seed
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--backend", default="auto")
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--kv-budget", default="512tok")
     ap.add_argument("--policies", default="sinks,shift,error", help="comma-separated: sinks, shift, error")
@@ -93,7 +94,7 @@ def main() -> None:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or not set(policies) <= set(POLICIES):
         ap.error(f"--policies takes a comma-separated subset of {','.join(POLICIES)}")
-    runs = [soak(args.model, p, args.kv_budget, args.tokens, threads, args.seed) for p in policies]
+    runs = [soak(args.model, args.backend, p, args.kv_budget, args.tokens, threads, args.seed) for p in policies]
 
     if args.json:
         print(json.dumps({"tokens": args.tokens, "kv_budget": args.kv_budget, "threads": threads,

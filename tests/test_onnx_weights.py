@@ -43,6 +43,9 @@ EXACT = [
         (QType.IQ4_NL, ZeroPoints.FLOAT, (K, 3 * BLOCK)),
         (QType.Q5_K, ZeroPoints.FLOAT, (K, 3 * QK_K)),
         (QType.Q6_K, ZeroPoints.FLOAT, (K, 3 * QK_K)),
+        (QType.Q2_K, ZeroPoints.FLOAT, (K, 3 * QK_K)),
+        (QType.Q3_K, ZeroPoints.FLOAT, (K, 3 * QK_K)),
+        (QType.IQ4_XS, ZeroPoints.FLOAT, (K, 3 * QK_K)),
     ]
     for k in lengths
 ]
@@ -103,7 +106,7 @@ def test_int8_activations_stay_close():
 
 @pytest.mark.parametrize(
     ("qtype", "k", "message"),
-    [(QType.IQ4_XS, 256, "not IQ4_XS"), (QType.Q4_0, 48, "48 elements"), (QType.Q6_K, 288, "288 elements")],
+    [(QType.TQ2_0, 256, "not TQ2_0"), (QType.Q4_0, 48, "48 elements"), (QType.Q6_K, 288, "288 elements")],
 )
 def test_what_it_cannot_map_is_one_line(qtype, k, message):
     raw = np.zeros((2, 144), np.uint8)

@@ -39,10 +39,11 @@ from gguf.quants import Q4_K, dequantize
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 BLOCK = 32  # elements in a block of the 32-element types, and in a K-quant's sub-blocks (Q6_K's: 16)
-K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # 256-element super-blocks
 # The types ``nbits`` maps.
 NBITS_TYPES = (
     QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_0, QType.Q5_1, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_NL,
+    QType.Q2_K, QType.Q3_K, QType.IQ4_XS,
 )  # fmt: skip
 
 
@@ -141,9 +142,29 @@ def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroP
         d = _f16(supers[:, -2:]).reshape(-1, 1)
         sc = supers[:, -2 - QK_K // 16 : -2].view(np.int8).astype(np.float32)
         return _eight_bit(raw, qtype, n, k, 16, d * sc, zero=32)
-    raise ValueError(
-        f"MatMulNBits takes Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 and IQ4_NL blocks, not {qtype.name}"
-    )
+    supers = raw.reshape(n * (k // QK_K), -1)
+    if qtype == QType.Q2_K:  # per 16: d * (sc & 15) * q - dmin * (sc >> 4), q in 0..3
+        sc = supers[:, : QK_K // 16].astype(np.float32)
+        d, dmin = _f16(supers[:, -4:-2]).reshape(-1, 1), _f16(supers[:, -2:]).reshape(-1, 1)
+        return _eight_bit(raw, qtype, n, k, 16, d * (sc % 16), zero=0, offsets=-(dmin * (sc // 16)))
+    if qtype == QType.Q3_K:  # per 16: d * (sc - 32) * q, q in -4..3
+        d = _f16(supers[:, -2:]).reshape(-1, 1)
+        return _eight_bit(raw, qtype, n, k, 16, d * _q3_k_scales(supers[:, -14:-2]), zero=4)
+    if qtype == QType.IQ4_XS:  # per 32: d * (ls - 32) * level, IQ4_NL's 16 levels
+        d = _f16(supers[:, :2]).reshape(-1, 1)
+        high = supers[:, 2:4].copy().view(np.uint16).astype(np.int32)  # two bits a block
+        low = supers[:, 4:8]
+        ls = np.stack([low & 0xF, low >> 4], axis=-1).reshape(-1, 8).astype(np.int32)
+        ls |= ((high >> (2 * np.arange(8))) & 3) << 4
+        return _eight_bit(raw, qtype, n, k, BLOCK, d * (ls - 32).astype(np.float32), zero=128)
+    raise ValueError(f"MatMulNBits takes {', '.join(t.name for t in NBITS_TYPES)} blocks, not {qtype.name}")
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's sixteen 6-bit scales, packed in 12 bytes (low nibbles in bytes 0-7, high pairs in 8-11), minus 32."""
+    low = np.stack([packed[:, :8] & 0xF, packed[:, :8] >> 4], axis=1).reshape(-1, 16)
+    high = np.stack([(packed[:, 8:] >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1).reshape(-1, 16)
+    return ((low | (high << 4)).astype(np.int8) - 32).astype(np.float32)
 
 
 def _eight_bit(
