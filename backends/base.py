@@ -230,3 +230,9 @@ def check_spans(spans: Sequence[Span], lengths: Sequence[int]) -> None:
                 f"cannot evaluate sequence {span.seq} from position {span.start}: it holds {lengths[span.seq]}"
             )
         seen.add(span.seq)
+
+
+def check_room(wanted: int, free: int, capacity: int) -> None:
+    """Refuse, in one line, ``wanted`` new positions where only ``free`` of ``capacity`` cells are."""
+    if wanted > free:
+        raise BackendError(f"the KV cache is full: {wanted} new positions, {free} of {capacity} cells free")

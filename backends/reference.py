@@ -19,7 +19,17 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, causal, gguf_weights
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from .base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
+from .base import (
+    CPU,
+    BackendOptions,
+    Device,
+    Span,
+    check_copy,
+    check_room,
+    check_sequence,
+    check_spans,
+    compute_bytes,
+)
 
 
 class ReferenceBackend:
@@ -95,11 +105,7 @@ class ReferenceBackend:
         self._check_open()
         check_spans(spans, self._lengths())
         free = np.flatnonzero(self._users == 0)
-        wanted = sum(len(span.tokens) for span in spans)
-        if wanted > len(free):
-            raise BackendError(
-                f"the KV cache is full: {wanted} new positions, {len(free)} of {self.capacity} cells free"
-            )
+        check_room(sum(len(span.tokens) for span in spans), len(free), self.capacity)
         tokens: list[int] = []
         positions: list[int] = []
         row_slices = []

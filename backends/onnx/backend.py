@@ -27,7 +27,17 @@ from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import open_tensors
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from ..base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
+from ..base import (
+    CPU,
+    BackendOptions,
+    Device,
+    Span,
+    check_copy,
+    check_room,
+    check_sequence,
+    check_spans,
+    compute_bytes,
+)
 from .graph import (
     INPUT_IDS,
     LOGIT_ROWS,
@@ -152,10 +162,7 @@ class OnnxRuntimeBackend:
         self._check_open()
         lengths = self._lengths()
         check_spans(spans, lengths)
-        wanted = sum(len(span.tokens) for span in spans)
-        free = self.capacity - sum(lengths)
-        if wanted > free:
-            raise BackendError(f"the KV cache is full: {wanted} new positions, {free} of {self.capacity} cells free")
+        check_room(sum(len(span.tokens) for span in spans), self.capacity - sum(lengths), self.capacity)
         needs = {span.seq: span.start + len(span.tokens) for span in spans}
         if any(need > self._regions[seq].size for seq, need in needs.items()):
             self._lay_out(needs)
@@ -196,11 +203,7 @@ class OnnxRuntimeBackend:
         check_copy(src, dst, n, self._lengths())
         self._regions[dst].length = 0
         if n > self._regions[dst].size:
-            if n > self.capacity - sum(self._lengths()):
-                raise BackendError(
-                    f"the KV cache is full: copying {n} positions needs {n} free cells, "
-                    f"{self.capacity - sum(self._lengths())} of {self.capacity} are"
-                )
+            check_room(n, self.capacity - sum(self._lengths()), self.capacity)
             self._lay_out({dst: n})
         self._view(dst)[:, :, :, :n] = self._view(src)[:, :, :, :n]
         self._regions[dst].length = n
