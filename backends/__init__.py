@@ -45,9 +45,9 @@ def choose_backend(name: str, info: ModelInfo) -> type[Backend]:
         cls = backend_class(name)
         reason = cls.supports(info)
         if reason is not None:
-            # Point at auto only where it finds another backend that runs the model.
-            others = any(status == AVAILABLE for other, status in backend_status(info).items() if other != name)
-            hint = "; use --backend auto" if others else ""
+            # Name the backends that do run the model, if any, and point at auto, which finds them.
+            others = [other for other, status in backend_status(info).items() if other != name and status == AVAILABLE]
+            hint = f"; {' and '.join(others)} can: use --backend auto" if others else ""
             raise BackendUnavailableError(f"the {name} backend cannot run this model: {reason}{hint}")
         return cls
     reasons = []

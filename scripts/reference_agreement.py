@@ -20,8 +20,8 @@ import argparse
 import numpy as np
 
 from edgeinfer import Engine
-from edgeinfer.backends.onnx import backend as onnx_backend
 from edgeinfer.backends.base import Span
+from edgeinfer.backends.onnx import backend as onnx_backend
 from edgeinfer.logits import log_softmax
 from edgeinfer.models.catalog import DEFAULT_MODEL
 

@@ -14,6 +14,7 @@ from conformance_models import kld, top1
 from tiny_model import write_tiny_gguf
 
 from edgeinfer import BackendError, BackendUnavailableError, Engine
+from edgeinfer.backends import backend_status
 from edgeinfer.backends.base import BackendOptions, Span
 from edgeinfer.backends.onnx import graph
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
@@ -149,6 +150,8 @@ def test_a_tensor_type_it_has_no_form_for_is_one_line_naming_it(tmp_path):
         Engine(path, backend="onnxruntime", kv_budget="256tok", threads=2)
     message = str(exc.value)
     assert "TQ2_0" in message and "\n" not in message
+    runners = [name for name, state in backend_status(info).items() if name != "onnxruntime" and state == "available"]
+    assert runners and f"{' and '.join(runners)} can: use --backend auto" in message  # llama.cpp, the reference
 
 
 def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(tmp_path):
