@@ -215,14 +215,17 @@ def check_copy(src: int, dst: int, n: int, lengths: Sequence[int]) -> None:
         raise BackendError(f"sequence {src} holds {lengths[src]} positions, not {n}")
 
 
-def check_spans(spans: Sequence[Span], lengths: Sequence[int]) -> None:
+def check_spans(spans: Sequence[Span], lengths: Sequence[int], n_vocab: int) -> None:
     """Refuse, in one line, an evaluation the contract forbids: an unknown or repeated sequence, an empty
-    span, or one that does not start where its sequence ends."""
+    span, one that does not start where its sequence ends, or a token outside the vocabulary."""
     seen = set()
     for span in spans:
         check_sequence(span.seq, lengths)
         if not span.tokens:
             raise BackendError("eval needs at least one token per sequence")
+        if min(span.tokens) < 0 or max(span.tokens) >= n_vocab:
+            bad = next(token for token in span.tokens if not 0 <= token < n_vocab)
+            raise BackendError(f"token {bad} is not in the model's vocabulary (ids 0 to {n_vocab - 1})")
         if span.seq in seen:
             raise BackendError(f"sequence {span.seq} appears twice in one evaluation")
         if span.start != lengths[span.seq]:

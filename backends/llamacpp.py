@@ -365,7 +365,7 @@ class LlamaCppBackend:
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
         lengths = self._lengths
-        check_spans(spans, lengths)
+        check_spans(spans, lengths, self._n_vocab)
         try:
             if len(spans) == 1 and len(spans[0].tokens) <= self._batch_size:  # the decode loop's path
                 span = spans[0]

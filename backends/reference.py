@@ -103,7 +103,7 @@ class ReferenceBackend:
 
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
-        check_spans(spans, self._lengths())
+        check_spans(spans, self._lengths(), self._n_vocab)
         free = np.flatnonzero(self._users == 0)
         check_room(sum(len(span.tokens) for span in spans), len(free), self.capacity)
         tokens: list[int] = []

@@ -435,6 +435,17 @@ def test_an_evaluation_that_fails_changes_nothing(cls, infos):
     assert_close(expected[None], after[None], 1e-6, "after a failed evaluation")
 
 
+def test_a_token_outside_the_vocabulary_is_a_clear_error_that_changes_nothing(cls, infos):
+    with opened(cls, infos["llama"]) as backend:
+        logits(backend, Span(0, 0, TOKENS[:4]))
+        for bad in (backend.n_vocab, -1):
+            with pytest.raises(BackendError) as exc:
+                backend.eval([Span(0, 4, [TOKENS[4], bad])])
+            assert "vocabulary" in one_line(exc)
+        (row,) = logits(backend, Span(0, 4, [TOKENS[4]]))  # the sequence still holds its 4 positions
+        assert np.isfinite(row).all()
+
+
 def test_a_sequence_cannot_be_copied_into_itself(cls, infos):
     with opened(cls, infos["llama"]) as backend:
         logits(backend, Span(0, 0, TOKENS[:8]))

@@ -161,7 +161,7 @@ class OnnxRuntimeBackend:
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
         lengths = self._lengths()
-        check_spans(spans, lengths)
+        check_spans(spans, lengths, self._n_vocab)
         check_room(sum(len(span.tokens) for span in spans), self.capacity - sum(lengths), self.capacity)
         needs = {span.seq: span.start + len(span.tokens) for span in spans}
         if any(need > self._regions[seq].size for seq, need in needs.items()):
