@@ -239,3 +239,10 @@ def check_room(wanted: int, free: int, capacity: int) -> None:
     """Refuse, in one line, ``wanted`` new positions where only ``free`` of ``capacity`` cells are."""
     if wanted > free:
         raise BackendError(f"the KV cache is full: {wanted} new positions, {free} of {capacity} cells free")
+
+
+def check_range(seq: int, start: int, end: int, lengths: Sequence[int]) -> None:
+    """Refuse, in one line, positions ``[start, end)`` that ``seq`` does not hold."""
+    check_sequence(seq, lengths)
+    if not 0 <= start <= end <= lengths[seq]:
+        raise BackendError(f"sequence {seq} holds positions 0 to {lengths[seq]}, not {start} to {end}")

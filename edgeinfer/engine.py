@@ -389,7 +389,8 @@ class Engine:
     def _waves(self, prompt: list[int], generations: list[_Generation]) -> Iterator[list[_Generation]]:
         """The generations in groups decoded together: as many as there are sequences and as fit side by side."""
         longest = max(g.params.max_tokens for g in generations)
-        side_by_side = max(1, (self.capacity - len(prompt)) // longest)
+        # Each answer takes its own cells; where the backend copies a prompt rather than sharing it, its copy too.
+        side_by_side = max(1, (self.capacity - len(prompt)) // (longest + self._cache.copy_cost(len(prompt))))
         size = min(len(self._cache.sequences), side_by_side)
         for first in range(0, len(generations), size):
             yield generations[first : first + size]
@@ -413,11 +414,14 @@ class Engine:
         logits: np.ndarray | None = None  # stays None if cancelled before the prompt's last chunk
         if state.last_prompt == prompt:
             self._cache.forget(seq, len(prompt))  # drop the answer that followed it (all, on a recurrent model)
+        copies = (len(generations) - 1) * self._cache.copy_cost(len(prompt))  # the other answers' prompts
         if state.last_prompt == prompt:
             logits, cached = state.last_logits, len(prompt)
+            if copies:
+                self._cache.drop_others([seq], len(generations) * reserve + copies)
         else:
             cached = len(state.tokens)
-            self._cache.drop_others([seq], len(prompt) - cached + len(generations) * reserve)
+            self._cache.drop_others([seq], len(prompt) - cached + len(generations) * reserve + copies)
             # Prefill a chunk at a time, so a cancel waits for one chunk, not the whole prompt.
             for _, chunk_logits in self._prefill(seq, prompt, cancel=cancel):
                 logits = chunk_logits
@@ -544,7 +548,9 @@ class Engine:
         else:  # another conversation: keep it, and share what is common
             seq = self._spare_sequence([best])
             self._cache.forget(seq, 0)
-            if reuse[best]:
+            cost = self._cache.copy_cost(reuse[best])
+            self._cache.drop_others([best, seq], cost)
+            if reuse[best] and self._cache.capacity - self._cache.cells_used() >= cost:  # else computed afresh
                 self._cache.share(best, seq, reuse[best])
         sequences[seq].used_at = self._calls
         return seq

@@ -100,12 +100,15 @@ class SequenceCache:
         state._appending = False
 
     def share(self, src: int, dst: int, n: int) -> None:
-        """Make ``dst`` hold ``src``'s first ``n`` positions, sharing their cells; where the backend cannot
-        copy part of a sequence, ``dst`` is left empty unless ``n`` is all of ``src``."""
+        """Make ``dst`` hold ``src``'s first ``n`` positions, sharing their cells (or copying them, where the
+        backend does not ``shares_cells``: ``copy_cost`` cells, which the caller makes room for); where the
+        backend cannot copy part of a sequence, ``dst`` is left empty unless ``n`` is all of ``src``."""
         source, target = self.sequences[src], self.sequences[dst]
         if not self.backend.can_truncate and n < len(source.tokens):
             self.forget(dst, 0)
             return
+        if not self.backend.shares_cells:
+            self.forget(dst, 0)  # empty in the mirror too, should the backend refuse the copy
         self.backend.copy_prefix(src, dst, n)
         target.tokens = source.tokens[:n]
         target.exact = min(source.exact, n)
@@ -115,6 +118,10 @@ class SequenceCache:
         else:  # cells of its own
             target._groups = [[next(self._group_ids), 0, n]] if n else []
         target._appending = False
+
+    def copy_cost(self, n: int) -> int:
+        """The free cells ``share`` of ``n`` positions takes: none where the backend shares cells."""
+        return 0 if self.backend.shares_cells else n
 
     def evict(self, seq: int, start: int, end: int) -> None:
         """Drop ``seq``'s positions ``[start, end)``, shifting later ones down; no other sequence may share them."""

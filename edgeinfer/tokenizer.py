@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgeinfer.errors import (
     NATIVE_LOAD_ERRORS,
@@ -35,7 +36,9 @@ from edgeinfer.errors import (
     InvalidModelError,
     InvalidOptionError,
 )
-from edgeinfer.vocabulary import GGUFVocabulary
+
+if TYPE_CHECKING:
+    from edgeinfer.vocabulary import GGUFVocabulary
 
 # The SentencePiece normalization a converted GGUF asks for (see the module's docstring).
 NORMALIZER_KEY = "edgeinfer.tokenizer.normalizer"
@@ -57,7 +60,7 @@ class Tokenizer:
         self._lock = threading.Lock()  # held around every use of the vocabulary, and its closing
         self._vocabulary: _LlamaCppVocabulary | GGUFVocabulary | None = None
         if implementation == TOKENIZERS or (implementation is None and not _llamacpp_loads()):
-            self._vocabulary = GGUFVocabulary(path)
+            self._vocabulary = _rebuilt_vocabulary(path)
         else:
             self._vocabulary = _LlamaCppVocabulary(path)
         vocabulary = self._vocabulary
@@ -210,6 +213,17 @@ class Tokenizer:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
             self.close()
+
+
+def _rebuilt_vocabulary(path: str | Path) -> GGUFVocabulary:
+    try:
+        from edgeinfer.vocabulary import GGUFVocabulary
+    except ImportError as exc:  # neither llama-cpp-python nor tokenizers
+        raise BackendUnavailableError(
+            f"edgeinfer tokenizes with llama-cpp-python or, without it, Hugging Face tokenizers, and neither "
+            f"loads here ({exc}); install one: pip install 'edgeinfer[llamacpp]' or 'edgeinfer[onnx]'"
+        ) from None
+    return GGUFVocabulary(path)
 
 
 def _llamacpp_loads() -> bool:

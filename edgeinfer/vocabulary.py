@@ -46,6 +46,7 @@ FIM_END_TEXTS = {
     Keys.Tokenizer.FIM_SEP_ID: ("<|file_sep|>",),
 }
 SPACE = "▁"  # SentencePiece's symbol for a space
+BOS_BY_DEFAULT = ("llama-bpe", "tekken")  # byte-level pre-tokenizers llama.cpp adds BOS for, unless told
 _SPECIAL = (TokenType.CONTROL, TokenType.UNKNOWN)
 
 
@@ -89,19 +90,20 @@ class GGUFVocabulary:
         types = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * self.n_vocab
         # llama.cpp makes the tokens it knows by their text control tokens, whatever the file says.
         self.types = [TokenType.CONTROL if i in by_text else TokenType(k) for i, k in enumerate(types)]
+        pre_name = meta.get(Keys.Tokenizer.PRE)
+        # llama.cpp's defaults where the file does not say: BOS for SentencePiece and Llama 3's and Mistral's
+        # byte-level BPE, EOS for Unigram.
+        self.add_bos = bool(meta.get(Keys.Tokenizer.ADD_BOS, self.model == "llama" or pre_name in BOS_BY_DEFAULT))
+        self.add_eos = bool(meta.get(Keys.Tokenizer.ADD_EOS, self.model == "t5"))
         self.bos_id: int = meta.get(Keys.Tokenizer.BOS_ID, -1)
         self.eos_id: int = meta.get(Keys.Tokenizer.EOS_ID, -1)
-        self.add_bos = bool(meta.get(Keys.Tokenizer.ADD_BOS, self.model == "llama"))
-        self.add_eos = bool(meta.get(Keys.Tokenizer.ADD_EOS, False))
-        vocab = {t: i for i, t in enumerate(self.tokens)}
+        for needed, key in ((True, Keys.Tokenizer.EOS_ID), (self.add_bos, Keys.Tokenizer.BOS_ID)):
+            if needed and meta.get(key) is None:
+                raise self._only_llamacpp(f"lacks {key}, for which llama.cpp assumes an id of its own")
         if self.model == "gpt2":
-            pre_name = meta.get(Keys.Tokenizer.PRE) or "gpt-2"
-            pre = PRE_BY_NAME.get("gpt-2" if pre_name == "default" else pre_name)
+            pre = PRE_BY_NAME.get(pre_name or "")  # llama.cpp's "default" splits unlike any of them
             if pre is None:
-                raise InvalidModelError(
-                    f"{self.path.name}'s pre-tokenizer {pre_name!r} (tokenizer.ggml.pre) is one edgeinfer tokenizes "
-                    "only through llama.cpp; install llama-cpp-python as README.md shows"
-                )
+                raise self._only_llamacpp(f"has the pre-tokenizer {pre_name!r} (tokenizer.ggml.pre)")
             merges = [tuple(m.split(" ", 1)) for m in meta[Keys.Tokenizer.MERGES]]
             self.hf_tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
             self.hf_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -113,19 +115,24 @@ class GGUFVocabulary:
         elif self.model == "t5":
             self.hf_tokenizer = self._unigram(meta)
         else:
-            raise InvalidModelError(
-                f"{self.path.name}'s tokenizer model {self.model!r} is one edgeinfer tokenizes only through "
-                "llama.cpp; install llama-cpp-python as README.md shows"
-            )
+            raise self._only_llamacpp(f"has the tokenizer model {self.model!r}")
         added = list(zip(self.tokens, self.types, strict=True))
         self.hf_tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t, k in added if k in _SPECIAL])
         self.hf_tokenizer.add_tokens([AddedToken(t, normalized=False) for t, k in added if k == TokenType.USER_DEFINED])
+
+    def _only_llamacpp(self, what: str) -> InvalidModelError:
+        return InvalidModelError(
+            f"{self.path.name} {what}: edgeinfer tokenizes it only through llama.cpp; "
+            "install llama-cpp-python as README.md shows"
+        )
 
     def _sentencepiece(self, vocab: dict[str, int], meta: dict[str, Any]) -> Tokenizer:
         """SentencePiece BPE as llama.cpp runs it. llama.cpp starts from the text's characters, in the vocabulary
         or not, so every character of a token gets an id of its own past the vocabulary's end; one left unmerged
         becomes its bytes' tokens (``tokenize``)."""
-        scores = np.asarray(meta.get(Keys.Tokenizer.SCORES) or np.zeros(self.n_vocab), np.float64)
+        if meta.get(Keys.Tokenizer.SCORES) is None:  # llama.cpp breaks ties by position, a rank cannot
+            raise self._only_llamacpp(f"lacks {Keys.Tokenizer.SCORES}")
+        scores = np.asarray(meta[Keys.Tokenizer.SCORES], np.float64)
         normal = [t for t, kind in zip(self.tokens, self.types, strict=True) if kind == TokenType.NORMAL]
         extended = dict(vocab)
         for char in sorted({c for t in normal for c in t} - vocab.keys()):

@@ -236,3 +236,20 @@ def test_every_mapped_type_agrees_with_the_reference(tmp_path, monkeypatch, type
     ours = logits_of(OnnxRuntimeBackend, info, TOKENS, "f32")
     divergence, agree = kld(truth, ours), top1(truth, ours)
     assert divergence <= 1e-6 and agree == 1.0, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
+
+
+def test_a_second_conversation_copies_the_shared_system_prompt_where_there_is_room(model_path):
+    """The ONNX Runtime backend copies a shared prefix (it cannot share cells), so the engine makes room for the
+    copy, or computes the prefix afresh where none can be made; either way the answer is a cold run's."""
+    system = {"role": "system", "content": TEXT[:700]}  # about 150 tokens: two whole 64-token chunks shared
+    first = [system, {"role": "user", "content": "What did the keeper see?"}]
+    second = [system, {"role": "user", "content": "Who wrote the letters?"}]
+    options = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    for budget, sequences in (("448tok", 3), ("256tok", 2)):
+        with Engine(model_path, backend="onnxruntime", kv_budget=budget, sequences=sequences, threads=2) as engine:
+            engine.chat(first, **options)
+            warm = engine.chat(second, **options)
+            assert engine.kv_used <= engine.capacity
+        with Engine(model_path, backend="onnxruntime", kv_budget=budget, sequences=sequences, threads=2) as engine:
+            cold = engine.chat(second, **options)
+        assert warm.tokens == cold.tokens, budget

@@ -90,14 +90,23 @@ def test_an_unknown_implementation_is_refused():
         Tokenizer("any.gguf", "sentencepiece")
 
 
-def test_a_tokenizer_it_cannot_rebuild_says_so_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("tokenizer", "metadata", "named"),
+    [
+        ("gpt2", {"tokenizer.ggml.model": "bert"}, "'bert'"),
+        ("gpt2", {"tokenizer.ggml.pre": "default"}, "'default'"),  # llama.cpp's own split, unlike any table entry
+        ("gpt2", {"tokenizer.ggml.pre": None}, "None"),
+        ("gpt2", {"tokenizer.ggml.eos_token_id": None}, "eos_token_id"),
+        ("llama", {"tokenizer.ggml.scores": None}, "scores"),
+    ],
+)
+def test_a_tokenizer_it_cannot_rebuild_exactly_says_so_in_one_line(tmp_path, tokenizer, metadata, named):
     from gguf import GGUFValue, GGUFValueType
     from tiny_model import write_tiny_gguf
 
-    path = write_tiny_gguf(
-        tmp_path / "bert.gguf", metadata={"tokenizer.ggml.model": GGUFValue("bert", GGUFValueType.STRING)}
-    )
+    values = {k: None if v is None else GGUFValue(v, GGUFValueType.STRING) for k, v in metadata.items()}
+    path = write_tiny_gguf(tmp_path / "odd.gguf", tokenizer=tokenizer, metadata=values)
     with pytest.raises(InvalidModelError) as exc:
         Tokenizer(path, TOKENIZERS)
     message = str(exc.value)
-    assert "\n" not in message and "'bert'" in message and "llama-cpp-python" in message
+    assert "\n" not in message and named in message and "llama-cpp-python" in message

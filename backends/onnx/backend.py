@@ -33,6 +33,7 @@ from ..base import (
     Device,
     Span,
     check_copy,
+    check_range,
     check_room,
     check_sequence,
     check_spans,
@@ -46,11 +47,12 @@ from .graph import (
     SEQLENS_K,
     TOTAL_LENGTH,
     GraphSpec,
+    graph_bytes,
     past_names,
     present_names,
     unmapped_types,
 )
-from .graph_cache import cached_graph
+from .graph_cache import PROTOBUF_LIMIT, cached_graph
 
 # float32 activations for 4-bit codes: int8 ones decode SmolLM2 1.27x faster but move its logits 300 million
 # times further from the reference (KLD 1.7e-2 against 5.8e-11; docs/BENCHMARKS.md).
@@ -89,6 +91,9 @@ class OnnxRuntimeBackend:
         types = unmapped_types(info)
         if types:
             return f"{info.path.name} has {', '.join(types)} tensors, which it has no ONNX form for"
+        size = graph_bytes(info)
+        if size > PROTOBUF_LIMIT:
+            return f"{info.path.name}'s graph would take about {size / 2**30:.1f} GiB, more than one ONNX file holds"
         return None
 
     @classmethod
@@ -106,9 +111,9 @@ class OnnxRuntimeBackend:
     @classmethod
     def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
         kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
-        # The graph's copy of the blocks, and the kernels' prepacked one.
+        # The graph's weights and MatMulNBits' prepacked copy of them.
         return MemoryNeed(
-            weights=2 * info.file_size, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+            weights=2 * graph_bytes(info), kv=kv, overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options)
         )
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
@@ -180,13 +185,15 @@ class OnnxRuntimeBackend:
 
     def truncate(self, seq: int, n: int) -> None:
         self._check_open()
-        check_sequence(seq, self._lengths())
+        lengths = self._lengths()
+        check_sequence(seq, lengths)
+        check_range(seq, min(n, lengths[seq]), lengths[seq], lengths)  # n past the end truncates nothing
         region = self._regions[seq]
         region.length = min(region.length, n)
 
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
-        check_sequence(seq, self._lengths())
+        check_range(seq, start, end, self._lengths())
         region = self._regions[seq]
         cache = self._view(seq)  # (layers, 2, kv heads, cells, head_dim)
         kept = cache[:, :, :, end : region.length].copy()
@@ -231,7 +238,9 @@ class OnnxRuntimeBackend:
             session = ort.InferenceSession(str(graph), settings, providers=wanted)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own classes, all of them Exception
             if options.device == CPU:
-                raise BackendError(f"ONNX Runtime cannot load the graph built for {info.path.name}: {exc}") from None
+                raise BackendError(
+                    f"ONNX Runtime cannot load the graph built for {info.path.name}: {_first_line(exc)}"
+                ) from None
             log.warning("%s cannot run %s (%s); running on the CPU", options.device, info.path.name, _first_line(exc))
             return OnnxRuntimeBackend._open_session(info, graph, dataclasses.replace(options, device=CPU))
         if options.device != CPU and options.device not in session.get_providers():

@@ -44,10 +44,11 @@ from edgeinfer.models.tensors import GGUFTensors
 from .weights import NBITS_TYPES, NBits, ZeroPoints, concat, matmul, nbits, pack4
 
 # Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+FOUR_BIT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q4_K)  # MatMulNBits' 4-bit codes; the other types become 8-bit
 KV_ELEMENT = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16}
 EIGHT_BIT_ACCURACY_LEVEL = 4
 
@@ -86,6 +87,23 @@ def unmapped_types(info: ModelInfo) -> list[str]:
     return sorted({t.type.name for t in info.tensors if t.type not in mapped})
 
 
+def graph_bytes(info: ModelInfo) -> int:
+    """About how many bytes the graph's weights take, an upper bound: 4-bit codes with a float32 scale and offset
+    per 32 elements, 8-bit codes with both per 16, floats as float32; a tied embedding twice (rows and head)."""
+    total = 0
+    for tensor in info.tensors:
+        n = math.prod(tensor.shape)
+        if tensor.type in FLOAT_TYPES or len(tensor.shape) == 1:
+            size = 4 * n
+        elif tensor.type in FOUR_BIT_TYPES:
+            size = n // 2 + n // 4
+        else:
+            size = n + n // 2
+        tied = info.hparams.tied_embeddings and tensor.name == tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+        total += 2 * size if tied else size
+    return total
+
+
 def build_graph(
     info: ModelInfo, tensors: GGUFTensors, spec: GraphSpec, progress: Callable[[int, int], None] | None = None
 ) -> ModelProto:
@@ -119,7 +137,7 @@ class _Builder:
         """A float32 vector of the file (norm weights, biases)."""
         return self.constant(name, self.tensors.dequantize(name).reshape(-1))
 
-    def project(self, names: list[str], a: str, y: str) -> str:
+    def project(self, names: list[str], a: str, y: str, rank: int = 3) -> str:
         """``y = a @ W.T`` for the file's matrices ``names`` stacked into one ``W`` (all of one type): one
         kernel for Q, K and V, or for the FFN's gate and up, where several would each pay their own overhead."""
         kind = self.tensors[names[0]].type
@@ -129,7 +147,7 @@ class _Builder:
         weight = concat([nbits(self.tensors.raw(n), kind, self.tensors[n].shape[0], ZeroPoints.SPLIT) for n in names])
         # 8-bit codes have a fast kernel only for int8 activations: 65x slower without (docs/BENCHMARKS.md).
         level = EIGHT_BIT_ACCURACY_LEVEL if weight.bits == 8 else self.spec.accuracy_level
-        nodes, arrays = matmul(weight, a, y, y, level, rank=3 if a != "final" else 2)
+        nodes, arrays = matmul(weight, a, y, y, level, rank)
         self.nodes += nodes
         self.initializers += arrays
         return y
@@ -305,8 +323,8 @@ class _Builder:
         h = self.norm(chosen, tensor_name(MODEL_TENSOR.OUTPUT_NORM), "final")
         out = MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT
         if not hp.logit_softcap:
-            return self.project([tensor_name(out)], h, LOGITS)
-        logits = self.project([tensor_name(out)], h, "uncapped")
+            return self.project([tensor_name(out)], h, LOGITS, rank=2)
+        logits = self.project([tensor_name(out)], h, "uncapped", rank=2)
         cap = self.constant("softcap", np.array(hp.logit_softcap, np.float32))
         capped = self.node("Tanh", [self.node("Div", [logits, cap], "scaled")], "capped")
         return self.node("Mul", [capped, cap], LOGITS)

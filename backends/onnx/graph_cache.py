@@ -12,6 +12,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+import onnx
+
 from edgeinfer.errors import InvalidOptionError
 from edgeinfer.files import atomic_path, write_atomic
 from edgeinfer.models.info import ModelInfo
@@ -35,7 +37,8 @@ def file_digest(path: Path) -> str:
 
 def graph_path(info: ModelInfo, spec: GraphSpec) -> Path:
     """Where the graph for ``info`` built under ``spec`` is kept."""
-    name = f"{file_digest(info.path)[:32]}-v{BUILDER_VERSION}-{spec.key}.onnx"
+    # onnx's IR version too: the cache folder may serve environments with other onnx and onnxruntime releases.
+    name = f"{file_digest(info.path)[:32]}-v{BUILDER_VERSION}-ir{onnx.IR_VERSION}-{spec.key}.onnx"
     return cache_dir() / "onnx" / name
 
 
@@ -47,6 +50,10 @@ def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
         if digest_path.read_text().strip() == file_digest(path):
             return path
         log.warning("the cached graph %s is damaged; building it again", path.name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # before building: an unwritable folder fails at once
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
     log.info("building the ONNX graph of %s", info.path.name)
     with open_tensors(info) as tensors:
         model = build_graph(info, tensors, spec, _progress(info.path.name))
@@ -54,16 +61,19 @@ def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
     if len(data) > PROTOBUF_LIMIT:
         raise InvalidOptionError(f"{info.path.name}'s graph is over 2 GiB, more than one ONNX file holds")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
             tmp.write_bytes(data)
         write_atomic(digest_path, hashlib.sha256(data).hexdigest() + "\n")
     except OSError as exc:
-        raise InvalidOptionError(
-            f"cannot write the ONNX graph cache in {path.parent}: {exc.strerror or exc}; "
-            "set EDGEINFER_CACHE_DIR to a writable folder"
-        ) from None
+        raise _unwritable(path, exc) from None
     return path
+
+
+def _unwritable(path: Path, exc: OSError) -> InvalidOptionError:
+    return InvalidOptionError(
+        f"cannot write the ONNX graph cache in {path.parent}: {exc.strerror or exc}; "
+        "set EDGEINFER_CACHE_DIR to a writable folder"
+    )
 
 
 def _progress(name: str):
