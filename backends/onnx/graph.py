@@ -145,7 +145,7 @@ class _Builder:
             w = np.concatenate([self.tensors.dequantize(name) for name in names])
             return self.node("MatMul", [a, self.constant(f"{y}.transposed", w.T)], y)
         weight = concat([nbits(self.tensors.raw(n), kind, self.tensors[n].shape[0], ZeroPoints.SPLIT) for n in names])
-        # 8-bit codes have a fast kernel only for int8 activations: 65x slower without (docs/BENCHMARKS.md).
+        # 8-bit codes have a fast kernel only for int8 activations: 72x slower without at 4096² (docs/BENCHMARKS.md).
         level = EIGHT_BIT_ACCURACY_LEVEL if weight.bits == 8 else self.spec.accuracy_level
         nodes, arrays = matmul(weight, a, y, y, level, rank)
         self.nodes += nodes
