@@ -181,10 +181,12 @@ def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
         assert result.tokens and result.finish_reason in ("stop", "length") and result.text.strip()
         greedy = engine.generate("The capital of France is", max_tokens=8, temperature=0, ignore_eos=True)
         assert len(greedy.tokens) == 8
-        # Greedy tokens are the argmax of the engine's own logits, position by position.
+        # Each greedy token leads the engine's own logits at its position, scored again in one batch. Batched and
+        # one-token steps round differently, and by how much depends on the CPU's kernels: a near-tie may go
+        # either way, so the token's logit must be within 0.01 of the best, not the argmax itself.
         prompt = engine.tokenize("The capital of France is")
-        rows = engine.logits(prompt + greedy.tokens[:-1])
-        assert [int(r.argmax()) for r in rows[len(prompt) - 1 :]] == greedy.tokens
+        rows = engine.logits(prompt + greedy.tokens[:-1])[len(prompt) - 1 :]
+        assert all(row[token] >= row.max() - 0.01 for row, token in zip(rows, greedy.tokens, strict=True))
 
 
 WITHOUT_LLAMA_CPP = """
