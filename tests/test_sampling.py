@@ -87,6 +87,52 @@ def test_the_default_chain_draws_each_token_with_its_exact_probability_on_a_full
         assert abs(counts[token] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-3
 
 
+def plain_chain_draws(logits: np.ndarray, params: SamplingParams, n: int) -> list[int]:
+    """The chain straight from its definition (a full sort, every filter over the top k), drawing with
+    the same generator as the sampler: the tokens the sampler must give, draw for draw."""
+    order = np.argsort(-logits, kind="stable")
+    if params.top_k:
+        order = order[: params.top_k]
+    weights = np.exp((logits[order].astype(np.float64) - logits[order[0]]) / params.temperature)
+    mass = np.cumsum(weights)
+    keep = min(
+        len(order),
+        int(np.searchsorted(mass, params.top_p * mass[-1])) + 1 if params.top_p < 1 else len(order),
+        int((weights >= params.min_p).sum()),
+    )
+    rng = np.random.default_rng(params.seed)
+    picks = (np.searchsorted(mass[:keep], rng.random(n) * mass[keep - 1], side="right")).clip(max=keep - 1)
+    return order[picks].tolist()
+
+
+def sampler_rows() -> dict[str, np.ndarray]:
+    n = 49_152
+    peaked = RNG.normal(size=n).astype(np.float32)
+    peaked[RNG.choice(n, size=4, replace=False)] = [9.0, 8.2, 7.9, 6.5]  # min-p decides: one pass
+    flat = RNG.normal(size=n).astype(np.float32) - 10
+    flat[RNG.choice(n, size=30, replace=False)] = 5.0  # top-p cuts inside min-p's set: the top-k pass
+    hot = RNG.normal(size=n).astype(np.float32) * 0.1  # thousands above min-p's bound, more than k
+    tied = np.round(RNG.normal(size=n) * 2).astype(np.float32)  # ties at the top and at the bound
+    return {"peaked": peaked, "flat": flat, "hot": hot, "tied": tied}
+
+
+@pytest.mark.parametrize("row", ["peaked", "flat", "hot", "tied"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"top_k": 0}, {"top_k": 5, "top_p": 0.5}, {"min_p": 0.0}, {"top_p": 1.0}, {"temperature": 2.5, "min_p": 0.2}],
+)
+def test_every_draw_is_the_one_the_plain_chain_gives(row, options):
+    params = SamplingParams(seed=11, **options)
+    logits = sampler_rows()[row]
+    sampler = Sampler(params)
+    assert [sampler(logits) for _ in range(200)] == plain_chain_draws(logits, params, 200)
+
+
+def test_a_row_of_nan_is_refused_not_drawn_from():
+    with pytest.raises((IndexError, ValueError)):
+        Sampler(SamplingParams(seed=0))(np.full(1000, np.nan, dtype=np.float32))
+
+
 @pytest.mark.parametrize("n", [2048, 32_000, 49_152, 151_936])
 def test_top_k_finds_the_k_best_however_they_lie(n):
     for k in (1, 40, 127):
