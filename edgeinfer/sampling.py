@@ -147,14 +147,15 @@ class Sampler:
         costs 10-15 µs whatever its size, more than this whole loop (docs/BENCHMARKS.md).
         """
         p = self.params
+        best, temperature, min_p = values[0], p.temperature, p.min_p
         # Unnormalised probabilities, the largest 1: each filter compares shares, which need no sum.
-        weights = [math.exp((value - values[0]) / p.temperature) for value in values]
+        weights = [math.exp((value - best) / temperature) for value in values]
         mass = list(itertools.accumulate(weights))
         keep = len(weights)
         if p.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
             keep = min(keep, bisect.bisect_left(mass, p.top_p * (mass[-1] + (rest or 0.0))) + 1)
-        kept_by_min_p = sum(weight >= p.min_p for weight in weights) if p.min_p > 0.0 else keep
+        kept_by_min_p = len([weight for weight in weights if weight >= min_p]) if min_p > 0.0 else keep
         if rest is None and kept_by_min_p > keep:
             return None
         keep = min(keep, kept_by_min_p)
