@@ -613,7 +613,7 @@ class _Generation:
         t = perf_counter()
         try:
             token = self.sampler(logits, self.state.tokens)
-        except (IndexError, ValueError):  # a row of NaN leaves the sampler no candidate
+        except ValueError:  # the sampler refuses a row whose largest logit is NaN or infinite
             if not np.isfinite(logits).all():
                 raise _corrupt(self.model_name) from None
             raise

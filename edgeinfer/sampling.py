@@ -112,12 +112,14 @@ class Sampler:
         if p.temperature == 0:
             return int(logits.argmax())
 
+        best = float(logits.max())
+        if not math.isfinite(best):  # NaN wins max(), as it wins greedy's argmax
+            raise ValueError(f"the largest logit is {best}: no distribution to draw from")
         if p.min_p > 0.0:
             # Min-p keeps no token whose logit lies below max + T*ln(min_p), so one pass for the
             # maximum and one for that threshold find, on most rows, everything the chain can draw.
-            # The margin lets in what float rounding might otherwise shut out: _draw counts min-p
-            # itself, on the exact weights.
-            best = float(logits.max())
+            # The margin lets in what rounding the bound and the weights in float64 might otherwise
+            # shut out: _draw counts min-p itself, on the weights.
             threshold = best + p.temperature * math.log(p.min_p) - _THRESHOLD_MARGIN * max(1.0, abs(best))
             above = logits >= threshold
             ids, values = _largest(logits, above.nonzero()[0], p.top_k)
@@ -141,7 +143,11 @@ class Sampler:
         so min-p drops them; they count only in top-p's total mass. Unknown, that total is at least
         the listed mass, so top-p keeps at least as many as the listed mass makes it keep: where
         min-p keeps no more than that, the draw is the one the whole top k gives. Otherwise the
-        draw depends on what is missing, and the answer is None.
+        draw depends on what is missing, and the answer is None, before the generator is used.
+
+        The weights come from ``math.exp`` (glibc's, the same on every x86-64 CPU with FMA), which
+        can differ from numpy's vectorised exp in the last bit: a token exactly at min-p's or
+        top-p's edge may fall on the other side of it than it would under numpy.
 
         Plain Python on at most k numbers: after a decode step has swept the caches, each numpy call
         costs 10-15 µs whatever its size, more than this whole loop (docs/BENCHMARKS.md).
@@ -158,9 +164,7 @@ class Sampler:
         kept_by_min_p = len([weight for weight in weights if weight >= min_p]) if min_p > 0.0 else keep
         if rest is None and kept_by_min_p > keep:
             return None
-        keep = min(keep, kept_by_min_p)
-        if keep == 0:  # only a weight of NaN fails min-p's test against the largest, itself 1
-            raise ValueError("no token survives the sampling filters")
+        keep = min(keep, kept_by_min_p)  # at least 1: the largest weighs 1
         draw = self._rng.random() * mass[keep - 1]
         return ids[min(bisect.bisect_right(mass, draw, 0, keep), keep - 1)]
 
@@ -175,8 +179,8 @@ def _penalize(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.n
     return out
 
 
-# Relative to the largest logit (at least 1): far above float32's rounding, far below any share
-# min-p is set to.
+# Relative to the largest logit (at least 1): far above float64's rounding of the bound. It lets in
+# tokens a little below min-p's share (by exp(-margin / T)), which only costs the time to weigh them.
 _THRESHOLD_MARGIN = 1e-3
 
 # Enough groups that the top k of a row rarely share one, and few enough that partitioning

@@ -105,32 +105,46 @@ def plain_chain_draws(logits: np.ndarray, params: SamplingParams, n: int) -> lis
     return order[picks].tolist()
 
 
-def sampler_rows() -> dict[str, np.ndarray]:
+def sampler_row(name: str) -> np.ndarray:
+    rng = np.random.default_rng(list(SAMPLER_ROWS).index(name))
     n = 49_152
-    peaked = RNG.normal(size=n).astype(np.float32)
-    peaked[RNG.choice(n, size=4, replace=False)] = [9.0, 8.2, 7.9, 6.5]  # min-p decides: one pass
-    flat = RNG.normal(size=n).astype(np.float32) - 10
-    flat[RNG.choice(n, size=30, replace=False)] = 5.0  # top-p cuts inside min-p's set: the top-k pass
-    hot = RNG.normal(size=n).astype(np.float32) * 0.1  # thousands above min-p's bound, more than k
-    tied = np.round(RNG.normal(size=n) * 2).astype(np.float32)  # ties at the top and at the bound
-    return {"peaked": peaked, "flat": flat, "hot": hot, "tied": tied}
+    row = rng.normal(size=n).astype(np.float32)
+    if name == "peaked":  # min-p decides: the two passes alone
+        row[rng.choice(n, size=4, replace=False)] = [9.0, 8.2, 7.9, 6.5]
+    elif name == "favourites":  # min-p drops the last; top-p would cut inside min-p's set without the rest
+        row[rng.choice(n, size=6, replace=False)] = [8.0, 7.5, 7.0, 6.5, 6.0, 4.0]
+    elif name == "flat":  # top-p cuts inside min-p's set: the top-k pass
+        row -= 10
+        row[rng.choice(n, size=30, replace=False)] = 5.0
+    elif name == "hot":  # thousands above min-p's bound, more than k
+        row *= 0.1
+    elif name == "tied":  # ties at the top and at the k-th place
+        row = np.round(row * 2)
+    return row
 
 
-@pytest.mark.parametrize("row", ["peaked", "flat", "hot", "tied"])
+SAMPLER_ROWS = ("peaked", "favourites", "flat", "hot", "tied")
+
+
+@pytest.mark.parametrize("row", SAMPLER_ROWS)
 @pytest.mark.parametrize(
     "options",
     [{}, {"top_k": 0}, {"top_k": 5, "top_p": 0.5}, {"min_p": 0.0}, {"top_p": 1.0}, {"temperature": 2.5, "min_p": 0.2}],
 )
 def test_every_draw_is_the_one_the_plain_chain_gives(row, options):
     params = SamplingParams(seed=11, **options)
-    logits = sampler_rows()[row]
+    logits = sampler_row(row)
     sampler = Sampler(params)
     assert [sampler(logits) for _ in range(200)] == plain_chain_draws(logits, params, 200)
 
 
-def test_a_row_of_nan_is_refused_not_drawn_from():
-    with pytest.raises((IndexError, ValueError)):
-        Sampler(SamplingParams(seed=0))(np.full(1000, np.nan, dtype=np.float32))
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("options", [{}, {"min_p": 0.0}, {"top_k": 0}])
+def test_a_nan_or_infinite_logit_is_refused_not_drawn_around(bad, options):
+    logits = RNG.normal(size=1000).astype(np.float32)
+    logits[500] = bad
+    with pytest.raises(ValueError, match="largest logit"):
+        Sampler(SamplingParams(seed=0, **options))(logits)
 
 
 @pytest.mark.parametrize("n", [2048, 32_000, 49_152, 151_936])
