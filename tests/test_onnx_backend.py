@@ -18,8 +18,8 @@ from edgeinfer.backends import backend_status
 from edgeinfer.backends.base import BackendOptions, Span
 from edgeinfer.backends.onnx import graph
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
-from edgeinfer.backends.onnx.graph import GraphSpec
-from edgeinfer.backends.onnx.graph_cache import cached_graph, graph_path
+from edgeinfer.backends.onnx.graph import BUILDER_VERSION, GraphSpec
+from edgeinfer.backends.onnx.graph_cache import cached_graph, graph_path, weights_path
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.info import ModelInfo, load_model_info
 from edgeinfer.tokenizer import Tokenizer
@@ -100,6 +100,10 @@ def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_
     spec = GraphSpec("f16", 0)
     path = graph_path(tiny, spec)
     assert not path.exists()
+    version = path.name.split("-")[1]
+    stale = path.with_name(path.name.replace(f"-{version}-", f"-v{BUILDER_VERSION - 1}-"))
+    path.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older builder's graph")
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         backend = OnnxRuntimeBackend(tiny, options())
     built = [r.message for r in caplog.records if "layer" in r.message]
@@ -109,25 +113,30 @@ def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_
         first = first.copy()
     finally:
         backend.close()
-    assert path.exists() and path.with_name(path.name + ".sha256").exists()
-    assert not list(path.parent.glob(".*.tmp"))  # written atomically, nothing left behind
+    weights = weights_path(path)
+    assert path.exists() and weights.exists() and path.with_name(path.name + ".sha256").exists()
+    assert weights.stat().st_size > path.stat().st_size  # the weights live beside the graph, not in it
+    assert not list(path.parent.glob(".*"))  # written atomically, nothing left behind
+    assert not stale.exists()  # an older builder's graph of the same file is gone
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         assert cached_graph(tiny, spec) == path
     assert not caplog.records  # found, not built again
 
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle: it might still load, and compute wrong
-    path.write_bytes(bytes(data))
-    with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
-        backend = OnnxRuntimeBackend(tiny, options())
-    assert any("damaged" in r.message for r in caplog.records)
-    try:
-        (again,) = backend.eval([Span(0, 0, TOKENS)])
-    finally:
-        backend.close()
-    np.testing.assert_array_equal(first, again)
+    for damaged in (weights, path):
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle: it might still load, and compute wrong
+        damaged.write_bytes(bytes(data))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
+            backend = OnnxRuntimeBackend(tiny, options())
+        assert any("damaged" in r.message for r in caplog.records), damaged.name
+        try:
+            (again,) = backend.eval([Span(0, 0, TOKENS)])
+        finally:
+            backend.close()
+        np.testing.assert_array_equal(first, again)
 
     path.write_bytes(path.read_bytes()[:100])  # cut short
     backend = OnnxRuntimeBackend(tiny, options())

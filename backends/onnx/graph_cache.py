@@ -1,21 +1,26 @@
 """Built graphs on disk, so that a model's graph is built once, not at every load.
 
 A graph is keyed by the GGUF's content hash (SHA-256), the builder's version and the
-``GraphSpec``: a changed file or a new builder finds no graph and builds one. It is written
-atomically, with its own SHA-256 beside it; a graph whose bytes no longer match (cut short,
-damaged) is rebuilt, never loaded.
+``GraphSpec``: a changed file or a new builder finds no graph and builds one. Its weights go in a
+file of their own beside it (ONNX's external data). ONNX Runtime maps that file: it lets go of each
+weight MatMulNBits has prepacked, and of the others (the embedding's rows) only the pages read
+are in memory, where a graph holding its weights stays in memory whole (SmolLM2's session: 121 MiB
+after loading against 203 MiB, docs/BENCHMARKS.md). No 2 GiB protobuf limit applies either. Both files are written atomically, with their SHA-256 beside them;
+a graph whose bytes no longer match (cut short, damaged) is rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 
 import onnx
 
 from edgeinfer.errors import InvalidOptionError
-from edgeinfer.files import atomic_path, write_atomic
+from edgeinfer.files import replace_durably, write_atomic
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.tensors import open_tensors
 from edgeinfer.system import cache_dir
@@ -23,8 +28,6 @@ from edgeinfer.system import cache_dir
 from .graph import BUILDER_VERSION, GraphSpec, build_graph
 
 log = logging.getLogger("edgeinfer.backends.onnx")
-
-PROTOBUF_LIMIT = 2**31 - 1  # one serialized ONNX graph holds at most this many bytes
 
 
 def file_digest(path: Path) -> str:
@@ -42,12 +45,18 @@ def graph_path(info: ModelInfo, spec: GraphSpec) -> Path:
     return cache_dir() / "onnx" / name
 
 
+def weights_path(graph: Path) -> Path:
+    """The file beside ``graph`` that holds its weights."""
+    return graph.with_name(graph.name + ".data")
+
+
 def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
     """The path of ``info``'s graph, built now if it is not on disk whole."""
     path = graph_path(info, spec)
+    files = (path, weights_path(path))
     digest_path = path.with_name(path.name + ".sha256")
-    if path.exists() and digest_path.exists():
-        if digest_path.read_text().strip() == file_digest(path):
+    if all(f.exists() for f in (*files, digest_path)):
+        if digest_path.read_text().split() == [file_digest(f) for f in files]:
             return path
         log.warning("the cached graph %s is damaged; building it again", path.name)
     try:
@@ -57,16 +66,31 @@ def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
     log.info("building the ONNX graph of %s", info.path.name)
     with open_tensors(info) as tensors:
         model = build_graph(info, tensors, spec, _progress(info.path.name))
-    data = model.SerializeToString()
-    if len(data) > PROTOBUF_LIMIT:
-        raise InvalidOptionError(f"{info.path.name}'s graph is over 2 GiB, more than one ONNX file holds")
     try:
-        with atomic_path(path) as tmp:
-            tmp.write_bytes(data)
-        write_atomic(digest_path, hashlib.sha256(data).hexdigest() + "\n")
+        # Written in a folder of its own beside the cache (one file system), under the final names: the
+        # graph names its weights' file. The weights land first, so a graph on disk finds its weights.
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as folder:
+            built = [Path(folder) / f.name for f in files]
+            onnx.save_model(model, built[0], save_as_external_data=True, location=built[1].name)
+            shutil.copymode(built[0], built[1])  # onnx creates the weights' file private (0600): the umask's mode
+            digests = [file_digest(f) for f in built]
+            for source, target in reversed(list(zip(built, files, strict=True))):
+                replace_durably(source, target)
+        write_atomic(digest_path, "\n".join(digests) + "\n")
     except OSError as exc:
         raise _unwritable(path, exc) from None
+    _remove_older_builds(path)
     return path
+
+
+def _remove_older_builds(path: Path) -> None:
+    """Remove the graphs an older builder made from the same GGUF: no release of this one loads them again.
+    (Another onnx release's graphs stay: an environment beside this one may share the cache.)"""
+    digest = path.name.split("-")[0]
+    for other in path.parent.glob(f"{digest}-v*"):
+        version = other.name.split("-")[1].removeprefix("v")
+        if version.isdigit() and int(version) < BUILDER_VERSION:
+            other.unlink(missing_ok=True)
 
 
 def _unwritable(path: Path, exc: OSError) -> InvalidOptionError:
