@@ -8,8 +8,10 @@ the same text), decode greedily exactly --gen-tokens new tokens with EOS ignored
 threads, and start every run from an empty cache; the sides take turns run by run, the order
 reversing each run, and the verdicts take medians.
 
-TTFT runs from the call, ids in hand, to the first new token; decode tok/s is (gen_tokens - 1)
-over the time from the first new token to the last.
+TTFT runs from the call, ids in hand, to the first new token (edgeinfer's tokenizing is taken off its
+clock); decode tok/s is (gen_tokens - 1) over the time from the first new token to the last, each side
+timing every token itself. A pause between sides lets ONNX Runtime's spinning threads of the one before
+go idle.
 
 Set up, once (the scratch environment is not the project's):
 
@@ -28,14 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
-from time import perf_counter
 
 from edgeinfer import Engine
 from edgeinfer.system import thread_count
+
+PROMPT_TEXT = "In the beginning God created the heaven and the earth."
+WORKER_TIMEOUT_S = 600  # a load, or one run of --gen-tokens tokens
+PAUSE_S = 0.1
 
 # Run by the scratch environment's Python: reads one request per line on stdin, answers one line of JSON.
 GENAI_WORKER = r"""
@@ -48,11 +56,11 @@ model = og.Model(config)
 print(json.dumps({"ready": og.__version__}), flush=True)
 for line in sys.stdin:
     ids, n = json.loads(line)
+    start = time.perf_counter()
     params = og.GeneratorParams(model)
     length = len(ids) + n
     params.set_search_options(max_length=length, min_length=length, do_sample=False)
     generator = og.Generator(model, params)
-    start = time.perf_counter()
     generator.append_tokens(ids)
     times, tokens = [], []
     while not generator.is_done():
@@ -65,18 +73,19 @@ for line in sys.stdin:
 
 def edgeinfer_run(engine: Engine, prompt: str, gen_tokens: int) -> dict:
     engine.reset()  # an empty cache: TTFT includes the whole prefill
-    start = perf_counter()
     stream = engine.stream(prompt, max_tokens=gen_tokens, temperature=0, ignore_eos=True)
-    times: list[float] = []
-    for _ in stream:  # a chunk per step; one whose text is held back (a split character) comes with the next
-        now = perf_counter() - start
-        times += [now] * (len(stream.tokens) - len(times))
-    return {"times": times, "tokens": stream.tokens}
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    m = stream.result.metrics
+    return {"times": [t - m.tokenize_s for t in m.token_times_s], "tokens": stream.tokens}
 
 
 def figures(run: dict, gen_tokens: int) -> tuple[float, float]:
     """TTFT in ms and decode tok/s of one run."""
     times = run["times"]
+    if len(times) != gen_tokens:
+        sys.exit(f"a side made {len(times)} tokens, not {gen_tokens}")
     return times[0] * 1e3, (gen_tokens - 1) / (times[-1] - times[0])
 
 
@@ -86,15 +95,22 @@ def main() -> None:
     parser.add_argument("--genai-model", required=True, type=Path, help="onnxruntime-genai's export folder")
     parser.add_argument("--genai-python", required=True, help="the Python of the environment with onnxruntime-genai")
     parser.add_argument("--threads", type=int, default=None, help="default: the free cores")
-    parser.add_argument("--prompt-words", type=int, default=60)
+    parser.add_argument("--prompt-words", type=int, default=70)
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="edgeinfer's KV cache type")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     threads = args.threads or thread_count()
+    if args.gen_tokens < 2 or args.runs < 1 or args.prompt_words < 1:
+        sys.exit("--gen-tokens must be at least 2, --runs and --prompt-words at least 1")
+    if not (args.genai_model / "genai_config.json").is_file():
+        sys.exit(f"{args.genai_model} is not an onnxruntime-genai export (no genai_config.json); see --help")
+    if shutil.which(args.genai_python) is None:
+        sys.exit(f"no Python at {args.genai_python}; give the scratch environment's, see --help")
 
-    prompt = " ".join(["In the beginning God created the heaven and the earth."] * (args.prompt_words // 10 + 1))
+    words = (PROMPT_TEXT.split() * args.prompt_words)[: args.prompt_words]
+    prompt = " ".join(words)
     engine = Engine(args.model, backend="onnxruntime", threads=threads, kv_budget="1024tok", kv_type=args.kv_type)
     ids = engine.tokenize(prompt)
     worker = subprocess.Popen(
@@ -104,12 +120,24 @@ def main() -> None:
         text=True,
     )
     assert worker.stdin is not None and worker.stdout is not None
-    genai_version = json.loads(worker.stdout.readline())["ready"]
+
+    def answer() -> dict:
+        ready, _, _ = select.select([worker.stdout], [], [], WORKER_TIMEOUT_S)
+        line = worker.stdout.readline() if ready else ""
+        if not line:
+            worker.kill()
+            sys.exit(f"the onnxruntime-genai worker gave no answer (exit code {worker.wait()}); its error is above")
+        return json.loads(line)
+
+    genai_version = answer()["ready"]
 
     def genai_run() -> dict:
-        worker.stdin.write(json.dumps([ids, args.gen_tokens]) + "\n")
-        worker.stdin.flush()
-        return json.loads(worker.stdout.readline())
+        try:
+            worker.stdin.write(json.dumps([ids, args.gen_tokens]) + "\n")
+            worker.stdin.flush()
+        except BrokenPipeError:
+            sys.exit(f"the onnxruntime-genai worker has stopped (exit code {worker.wait()}); its error is above")
+        return answer()
 
     sides = {"edgeinfer": lambda: edgeinfer_run(engine, prompt, args.gen_tokens), "onnxruntime-genai": genai_run}
     for run in sides.values():  # warm-up
@@ -118,7 +146,10 @@ def main() -> None:
     same = []
     for i in range(args.runs):
         order = list(sides) if i % 2 == 0 else list(reversed(sides))
-        runs = {name: sides[name]() for name in order}
+        runs = {}
+        for name in order:
+            time.sleep(PAUSE_S)
+            runs[name] = sides[name]()
         for name, run in runs.items():
             results[name].append(figures(run, args.gen_tokens))
         same.append(runs["edgeinfer"]["tokens"] == runs["onnxruntime-genai"]["tokens"])

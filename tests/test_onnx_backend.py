@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +106,11 @@ def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_
     stale = path.with_name(path.name.replace(f"-{version}-", f"-v{BUILDER_VERSION - 1}-"))
     path.parent.mkdir(parents=True)
     stale.write_bytes(b"an older builder's graph")
+    abandoned = path.parent / f".{path.name}.killed"  # a build folder whose process died a week ago
+    abandoned.mkdir()
+    os.utime(abandoned, (time.time() - 7 * 86400,) * 2)
+    weights_path(path).write_bytes(b"weights left without their graph")  # replaced, even from the cwd
+    monkeypatch.chdir(path.parent)
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         backend = OnnxRuntimeBackend(tiny, options())
     built = [r.message for r in caplog.records if "layer" in r.message]
@@ -117,7 +124,7 @@ def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_
     assert path.exists() and weights.exists() and path.with_name(path.name + ".sha256").exists()
     assert weights.stat().st_size > path.stat().st_size  # the weights live beside the graph, not in it
     assert not list(path.parent.glob(".*"))  # written atomically, nothing left behind
-    assert not stale.exists()  # an older builder's graph of the same file is gone
+    assert not stale.exists() and not abandoned.exists()  # an older builder's graph, a dead build: gone
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
@@ -200,6 +207,7 @@ def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
 
 WITHOUT_LLAMA_CPP = """
 import sys
+import time
 sys.modules["llama_cpp"] = None  # as on a machine where llama-cpp-python is not installed
 from edgeinfer import Engine
 with Engine(sys.argv[1], kv_budget="512tok", threads=2) as engine:

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.constants import QK_K
 from gguf.quants import dequantize
 
+from edgeinfer.backends.onnx import weights
 from edgeinfer.backends.onnx.weights import BLOCK, ZeroPoints, nbits
 from edgeinfer.converters.quantize import available, quantize  # ggml's: gguf-py has none for K-quants
 
@@ -63,6 +64,18 @@ def test_the_exact_forms_compute_what_the_gguf_blocks_hold(qtype, zero_points, k
     np.testing.assert_allclose(weight.dequantize(), truth, rtol=0, atol=1e-6 * np.abs(truth).max())
     a = RNG.standard_normal((5, k)).astype(np.float32)
     assert relative_error(run(weight, a), a.astype(np.float64) @ truth.T) <= 1e-5
+
+
+@pytest.mark.parametrize(("qtype", "zero_points", "k"), [e for e in EXACT if e[2] % QK_K == 0], ids=str)
+def test_a_matrix_converted_rows_at_a_time_is_the_one_converted_whole(qtype, zero_points, k, monkeypatch):
+    if not available(qtype):
+        pytest.skip(f"{qtype.name} blocks come from ggml's quantizer, which needs llama.cpp's library")
+    raw = quantize(RNG.standard_normal((N, k)).astype(np.float32), qtype)
+    whole = nbits(raw, qtype, k, zero_points)
+    monkeypatch.setattr(weights, "ROWS_PER_CHUNK", 7)  # 48 rows: six chunks of 7 and one of 6
+    chunked = nbits(raw, qtype, k, zero_points)
+    for field in ("n", "k", "bits", "block_size", "codes", "scales", "zero_points", "offsets"):
+        np.testing.assert_array_equal(getattr(chunked, field), getattr(whole, field), err_msg=field)
 
 
 def test_q4_1_blocks_of_one_value_keep_it():

@@ -52,7 +52,7 @@ from .graph import (
     present_names,
     unmapped_types,
 )
-from .graph_cache import cached_graph
+from .graph_cache import cached_graph, is_built
 
 # float32 activations for 4-bit codes: int8 ones decode SmolLM2 1.27x faster but move its logits 300 million
 # times further from the reference (KLD 1.7e-2 against 5.8e-11; docs/BENCHMARKS.md).
@@ -108,10 +108,14 @@ class OnnxRuntimeBackend:
     @classmethod
     def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
         kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
-        # The graph's weights, prepacked for MatMulNBits from a mapped file that is let go of weight by weight: at
-        # its peak, loading held 1.25x and 1.19x the graph (SmolLM2, Gemma 3 270M; docs/BENCHMARKS.md).
+        # The graph's weights, prepacked for MatMulNBits from a mapped file let go of weight by weight. At its peak,
+        # loading a built graph held 1.05x and 1.19x the graph on disk, building one 2.25x and 2.15x (SmolLM2,
+        # Gemma 3 270M; docs/BENCHMARKS.md).
+        factor = 1.25 if is_built(info, GraphSpec(options.kv_type, ACCURACY_LEVEL)) else 2.25
         return MemoryNeed(
-            weights=graph_bytes(info) * 5 // 4, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+            weights=int(graph_bytes(info) * factor),
+            kv=kv,
+            overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options),
         )
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:

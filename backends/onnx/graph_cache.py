@@ -2,22 +2,30 @@
 
 A graph is keyed by the GGUF's content hash (SHA-256), the builder's version and the
 ``GraphSpec``: a changed file or a new builder finds no graph and builds one. Its weights go in a
-file of their own beside it (ONNX's external data). ONNX Runtime maps that file: it lets go of each
-weight MatMulNBits has prepacked, and of the others (the embedding's rows) only the pages read
-are in memory, where a graph holding its weights stays in memory whole (SmolLM2's session: 121 MiB
-after loading against 203 MiB, docs/BENCHMARKS.md). No 2 GiB protobuf limit applies either. Both files are written atomically, with their SHA-256 beside them;
-a graph whose bytes no longer match (cut short, damaged) is rebuilt, never loaded.
+file of their own beside it (ONNX's external data), each at a page boundary. ONNX Runtime maps
+that file: it lets go of each weight MatMulNBits has prepacked, and of the others (the embedding's
+rows) only the pages read are in memory, where a graph holding its weights stays in memory whole
+(SmolLM2's session: 121 MiB after loading against 203 MiB, docs/BENCHMARKS.md).
+
+Both files are built in a folder of their own and renamed into place, weights first; the SHA-256 of
+both, written last, is what makes them a graph. A pair whose bytes no longer match it (cut short,
+damaged, or half written by a crash) is rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import onnx
+from onnx.external_data_helper import set_external_data
 
 from edgeinfer.errors import InvalidOptionError
 from edgeinfer.files import replace_durably, write_atomic
@@ -41,8 +49,26 @@ def file_digest(path: Path) -> str:
 def graph_path(info: ModelInfo, spec: GraphSpec) -> Path:
     """Where the graph for ``info`` built under ``spec`` is kept."""
     # onnx's IR version too: the cache folder may serve environments with other onnx and onnxruntime releases.
-    name = f"{file_digest(info.path)[:32]}-v{BUILDER_VERSION}-ir{onnx.IR_VERSION}-{spec.key}.onnx"
+    name = f"{_gguf_digest(info.path)[:32]}-v{BUILDER_VERSION}-ir{onnx.IR_VERSION}-{spec.key}.onnx"
     return cache_dir() / "onnx" / name
+
+
+def is_built(info: ModelInfo, spec: GraphSpec) -> bool:
+    """Whether ``info``'s graph is on disk (whole or not: ``cached_graph`` checks that)."""
+    path = graph_path(info, spec)
+    return path.exists() and weights_path(path).exists()
+
+
+def _gguf_digest(path: Path) -> str:
+    """``file_digest`` of a GGUF, hashed once per process while its size and time stamp stay (the memory check
+    and the load both need it: 2 s a GB)."""
+    stat = path.stat()
+    return _digest_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest_of(path: str, size: int, mtime_ns: int) -> str:
+    return file_digest(Path(path))
 
 
 def weights_path(graph: Path) -> Path:
@@ -56,41 +82,81 @@ def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
     files = (path, weights_path(path))
     digest_path = path.with_name(path.name + ".sha256")
     if all(f.exists() for f in (*files, digest_path)):
-        if digest_path.read_text().split() == [file_digest(f) for f in files]:
+        if digest_path.read_bytes().split() == [file_digest(f).encode() for f in files]:
             return path
         log.warning("the cached graph %s is damaged; building it again", path.name)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)  # before building: an unwritable folder fails at once
+    _remove_abandoned_builds(path)
+    try:  # the folder the files are built in, made before building: an unwritable cache fails at once
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     except OSError as exc:
         raise _unwritable(path, exc) from None
-    log.info("building the ONNX graph of %s", info.path.name)
-    with open_tensors(info) as tensors:
-        model = build_graph(info, tensors, spec, _progress(info.path.name))
     try:
-        # Written in a folder of its own beside the cache (one file system), under the final names: the
-        # graph names its weights' file. The weights land first, so a graph on disk finds its weights.
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as folder:
-            built = [Path(folder) / f.name for f in files]
-            onnx.save_model(model, built[0], save_as_external_data=True, location=built[1].name)
-            shutil.copymode(built[0], built[1])  # onnx creates the weights' file private (0600): the umask's mode
+        log.info("building the ONNX graph of %s", info.path.name)
+        with open_tensors(info) as tensors:
+            model = build_graph(info, tensors, spec, _progress(info.path.name))
+        built = [folder / f.name for f in files]
+        try:
+            _save(model, *built)
             digests = [file_digest(f) for f in built]
             for source, target in reversed(list(zip(built, files, strict=True))):
                 replace_durably(source, target)
-        write_atomic(digest_path, "\n".join(digests) + "\n")
-    except OSError as exc:
-        raise _unwritable(path, exc) from None
+            write_atomic(digest_path, "\n".join(digests) + "\n")
+        except OSError as exc:
+            raise _unwritable(path, exc) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     _remove_older_builds(path)
     return path
 
 
+# Initializers this large go in the weights' file; smaller ones (norm weights, shapes) stay in the graph.
+EXTERNAL_MIN_BYTES = 1024
+PAGE = 4096  # ONNX Runtime maps a weight whose offset is a multiple of the page size
+
+
+def _save(model: onnx.ModelProto, graph: Path, weights: Path) -> None:
+    """Write ``model`` to ``graph``, its large initializers to ``weights`` (named in the graph by file name).
+
+    By hand, not ``onnx.save_model(save_as_external_data=True)``: that refuses when a file of the weights'
+    name exists in the working directory, and it leaves the weights' file private (mode 0600).
+    """
+    with weights.open("xb") as f:
+        for tensor in model.graph.initializer:
+            if len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+                continue
+            f.write(bytes(-f.tell() % PAGE))
+            set_external_data(tensor, weights.name, offset=f.tell(), length=len(tensor.raw_data))
+            f.write(tensor.raw_data)
+            tensor.ClearField("raw_data")  # the model's memory goes down as the file grows
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+    graph.write_bytes(model.SerializeToString())
+
+
+# A build folder this old belongs to a process that died mid-build (a kill, a power cut).
+ABANDONED_AFTER_S = 24 * 3600
+
+
+def _remove_abandoned_builds(path: Path) -> None:
+    for folder in path.parent.glob(f".{path.name}.*"):
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and time.time() - folder.stat().st_mtime > ABANDONED_AFTER_S:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+_BUILT_NAME = re.compile(r"([0-9a-f]{32})-v([0-9]+)-")
+
+
 def _remove_older_builds(path: Path) -> None:
-    """Remove the graphs an older builder made from the same GGUF: no release of this one loads them again.
-    (Another onnx release's graphs stay: an environment beside this one may share the cache.)"""
-    digest = path.name.split("-")[0]
+    """Remove the graphs an older builder made from the same GGUF. An older edgeinfer in another environment
+    sharing the cache builds its own again when it needs it; another onnx release's graphs of this builder
+    stay, since they are not rebuilt otherwise."""
+    digest = path.name[:32]
     for other in path.parent.glob(f"{digest}-v*"):
-        version = other.name.split("-")[1].removeprefix("v")
-        if version.isdigit() and int(version) < BUILDER_VERSION:
-            other.unlink(missing_ok=True)
+        name = _BUILT_NAME.match(other.name)
+        if name and int(name[2]) < BUILDER_VERSION:
+            with contextlib.suppress(OSError):  # in use elsewhere, or not ours to remove: left
+                other.unlink()
 
 
 def _unwritable(path: Path, exc: OSError) -> InvalidOptionError:

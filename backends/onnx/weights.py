@@ -113,8 +113,18 @@ def concat(weights: list[NBits]) -> NBits:
     )
 
 
+# Rows converted at a time: conversions go through float64, 8 bytes an element. Gemma 3 270M's 262,144-row
+# embedding converted whole took its build's peak from 1,076 to 1,178 MiB.
+ROWS_PER_CHUNK = 4096
+
+
 def nbits(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints = ZeroPoints.FLOAT) -> NBits:
     """MatMulNBits inputs for a GGUF matrix given as ``GGUFTensors.raw`` rows: ``(n, row_bytes)`` uint8."""
+    chunks = range(0, raw.shape[0], ROWS_PER_CHUNK)
+    return concat([_rows(raw[start : start + ROWS_PER_CHUNK], qtype, k, zero_points) for start in chunks])
+
+
+def _rows(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints) -> NBits:
     n = raw.shape[0]
     if k % (QK_K if qtype in K_QUANTS else BLOCK):
         raise ValueError(f"rows of {k} elements are not whole {qtype.name} blocks")
