@@ -110,12 +110,13 @@ class OnnxRuntimeBackend:
         kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
         # The graph's weights, prepacked for MatMulNBits from a mapped file let go of weight by weight. At its peak,
         # loading a built graph held 1.05x and 1.19x the graph on disk, building one 2.25x and 2.15x (SmolLM2,
-        # Gemma 3 270M; docs/BENCHMARKS.md).
-        factor = 1.25 if is_built(info, GraphSpec(options.kv_type, ACCURACY_LEVEL)) else 2.25
+        # Gemma 3 270M; docs/BENCHMARKS.md): a build needs about one graph more, for the load only.
+        weights = graph_bytes(info)
+        building = 0 if is_built(info, GraphSpec(options.kv_type, ACCURACY_LEVEL)) else weights
         return MemoryNeed(
-            weights=int(graph_bytes(info) * factor),
+            weights=weights * 5 // 4,
             kv=kv,
-            overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options),
+            overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options) + building,
         )
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:

@@ -56,18 +56,21 @@ def graph_path(info: ModelInfo, spec: GraphSpec) -> Path:
 def is_built(info: ModelInfo, spec: GraphSpec) -> bool:
     """Whether ``info``'s graph is on disk (whole or not: ``cached_graph`` checks that)."""
     path = graph_path(info, spec)
-    return path.exists() and weights_path(path).exists()
+    try:
+        return all(f.exists() for f in (path, weights_path(path), path.with_name(path.name + ".sha256")))
+    except OSError:  # a cache folder it may not search: the load says so
+        return False
 
 
 def _gguf_digest(path: Path) -> str:
     """``file_digest`` of a GGUF, hashed once per process while its size and time stamp stay (the memory check
     and the load both need it: 2 s a GB)."""
-    stat = path.stat()
-    return _digest_of(str(path), stat.st_size, stat.st_mtime_ns)
+    s = path.stat()  # ctime too: no one can set it back, where cp -p and rsync -t restore mtime
+    return _digest_of(str(path), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
 
 
 @functools.lru_cache(maxsize=16)
-def _digest_of(path: str, size: int, mtime_ns: int) -> str:
+def _digest_of(path: str, *stat: int) -> str:
     return file_digest(Path(path))
 
 
@@ -123,11 +126,12 @@ def _save(model: onnx.ModelProto, graph: Path, weights: Path) -> None:
     """
     with weights.open("xb") as f:
         for tensor in model.graph.initializer:
-            if len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+            data = tensor.raw_data  # a copy at every read
+            if len(data) < EXTERNAL_MIN_BYTES:
                 continue
             f.write(bytes(-f.tell() % PAGE))
-            set_external_data(tensor, weights.name, offset=f.tell(), length=len(tensor.raw_data))
-            f.write(tensor.raw_data)
+            set_external_data(tensor, weights.name, offset=f.tell(), length=len(data))
+            f.write(data)
             tensor.ClearField("raw_data")  # the model's memory goes down as the file grows
             tensor.data_location = onnx.TensorProto.EXTERNAL
     graph.write_bytes(model.SerializeToString())
