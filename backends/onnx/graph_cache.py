@@ -63,8 +63,8 @@ def is_built(info: ModelInfo, spec: GraphSpec) -> bool:
 
 
 def _gguf_digest(path: Path) -> str:
-    """``file_digest`` of a GGUF, hashed once per process while its size and time stamp stay (the memory check
-    and the load both need it: 2 s a GB)."""
+    """``file_digest`` of a GGUF, hashed once per process while the file stays the same one, unchanged (the
+    memory check and the load both need it: 2 s a GB)."""
     s = path.stat()  # ctime too: no one can set it back, where cp -p and rsync -t restore mtime
     return _digest_of(str(path), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
 
@@ -152,9 +152,9 @@ _BUILT_NAME = re.compile(r"([0-9a-f]{32})-v([0-9]+)-")
 
 
 def _remove_older_builds(path: Path) -> None:
-    """Remove the graphs an older builder made from the same GGUF. An older edgeinfer in another environment
-    sharing the cache builds its own again when it needs it; another onnx release's graphs of this builder
-    stay, since they are not rebuilt otherwise."""
+    """Remove the graphs an older builder made from the same GGUF; an older edgeinfer in another environment
+    sharing the cache builds its own again if it needs it. The graphs this builder made under another onnx
+    release stay: another environment sharing the cache loads them."""
     digest = path.name[:32]
     for other in path.parent.glob(f"{digest}-v*"):
         name = _BUILT_NAME.match(other.name)
