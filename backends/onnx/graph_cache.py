@@ -57,7 +57,7 @@ def is_built(info: ModelInfo, spec: GraphSpec) -> bool:
     """Whether ``info``'s graph is on disk (whole or not: ``cached_graph`` checks that)."""
     path = graph_path(info, spec)
     try:
-        return all(f.exists() for f in (path, weights_path(path), path.with_name(path.name + ".sha256")))
+        return all(f.exists() for f in (path, weights_path(path), _digests_path(path)))
     except OSError:  # a cache folder it may not search: the load says so
         return False
 
@@ -79,11 +79,16 @@ def weights_path(graph: Path) -> Path:
     return graph.with_name(graph.name + ".data")
 
 
+def _digests_path(graph: Path) -> Path:
+    """The file beside ``graph`` that holds its and its weights' SHA-256."""
+    return graph.with_name(graph.name + ".sha256")
+
+
 def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
     """The path of ``info``'s graph, built now if it is not on disk whole."""
     path = graph_path(info, spec)
     files = (path, weights_path(path))
-    digest_path = path.with_name(path.name + ".sha256")
+    digest_path = _digests_path(path)
     if all(f.exists() for f in (*files, digest_path)):
         if digest_path.read_bytes().split() == [file_digest(f).encode() for f in files]:
             return path
