@@ -21,6 +21,7 @@ from edgeinfer.console import EXIT_INTERRUPTED
 from edgeinfer.errors import ContextFull, EdgeInferError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, POLICIES
 from edgeinfer.models.catalog import DEFAULT_MODEL
+from edgeinfer.notes import show_notes
 from edgeinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def _user_errors(fn: F) -> F:
 @click.version_option(package_name="edgeinfer")
 def cli() -> None:
     """Run small GGUF language models on this machine."""
+    show_notes()
 
 
 def _placement_options(fn: F) -> F:

@@ -37,6 +37,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x
 
 
+def kl_divergence(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """KL(expected || actual) of each pair of rows of logits, in nats, float64."""
+    p, q = log_softmax(expected), log_softmax(actual)
+    return np.sum(np.exp(p) * (p - q), axis=-1)
+
+
 def token_logprobs(rows: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
     """The log-probability of ``tokens[i]`` under row ``i``, for a block of rows."""
     return rows[np.arange(len(rows)), tokens] - logsumexp(rows)

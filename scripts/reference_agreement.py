@@ -20,16 +20,18 @@ import argparse
 import numpy as np
 
 from edgeinfer import Engine
-from edgeinfer.backends.base import Span
-from edgeinfer.backends.onnx import backend as onnx_backend
-from edgeinfer.logits import log_softmax
+from edgeinfer.backends.base import BackendOptions, Span
+from edgeinfer.backends.onnx.activations import FLOAT, INT8
+from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
+from edgeinfer.logits import kl_divergence
 from edgeinfer.models.catalog import DEFAULT_MODEL
+from edgeinfer.models.info import load_model_info
+from edgeinfer.system import thread_count
 
 
 def compare(name: str, a: np.ndarray, b: np.ndarray) -> None:
-    p, q = log_softmax(a), log_softmax(b)
-    kld = (np.exp(p) * (p - q)).sum(axis=-1)
-    top1 = (p.argmax(axis=-1) == q.argmax(axis=-1)).mean()
+    kld = kl_divergence(a, b)
+    top1 = (a.argmax(axis=-1) == b.argmax(axis=-1)).mean()
     print(
         f"{name:<34} top-1 {top1:7.2%}   KLD mean {kld.mean():.2e}  median {np.median(kld):.2e}  "
         f"p99 {np.percentile(kld, 99):.2e}"
@@ -54,11 +56,15 @@ def main() -> None:
         one_by_one = np.stack([e.backend.eval([Span(0, i, [t])])[0].copy() for i, t in enumerate(tokens)])
     with Engine(args.model, backend="reference", kv_budget=budget, kv_type=args.kv_type) as e:
         reference = e.logits(tokens)
+        info = load_model_info(e.model_path)
     onnx = {}
-    for level in (0, 4):
-        onnx_backend.ACCURACY_LEVEL = level  # the backend's choice for 4-bit codes, overridden to measure both
-        with Engine(args.model, backend="onnxruntime", kv_budget=budget, kv_type=args.kv_type) as e:
-            onnx[level] = e.logits(tokens)
+    options = BackendOptions(kv_tokens=len(tokens), kv_type=args.kv_type, threads=thread_count(args.threads))
+    for level in (FLOAT, INT8):  # both, whichever the backend chose for the model
+        backend = OnnxRuntimeBackend(info, options, accuracy_level=level)
+        try:
+            onnx[level] = backend.eval([Span(0, 0, tokens, all_logits=True)])[0]
+        finally:
+            backend.close()
     print(f"{args.model}: {len(tokens)} tokens of {args.text}, KV cache {args.kv_type}")
     compare("llama.cpp batch vs one-by-one", batched, one_by_one)
     compare("llama.cpp batch vs reference", batched, reference)

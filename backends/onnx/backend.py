@@ -39,7 +39,9 @@ from ..base import (
     check_spans,
     compute_bytes,
 )
+from .activations import CALIBRATION_TOKENS, FLOAT, INT8, INT8_KLD_LIMIT, int8_kld
 from .graph import (
+    FOUR_BIT_TYPES,
     INPUT_IDS,
     LOGIT_ROWS,
     LOGITS,
@@ -52,11 +54,15 @@ from .graph import (
     present_names,
     unmapped_types,
 )
-from .graph_cache import cached_graph, is_built
+from .graph_cache import (
+    cached_graph,
+    choosing_accuracy_level,
+    chosen_accuracy_level,
+    is_built,
+    record_accuracy_level,
+    remove_graph,
+)
 
-# float32 activations for 4-bit codes: int8 ones decode SmolLM2 1.27x faster but move its logits 300 million
-# times further from the reference (KLD 1.7e-2 against 5.8e-11; docs/BENCHMARKS.md).
-ACCURACY_LEVEL = 0
 log = logging.getLogger("edgeinfer.backends.onnx")
 CPU_PROVIDER = "CPUExecutionProvider"
 
@@ -112,14 +118,18 @@ class OnnxRuntimeBackend:
         # loading a built graph held 1.05x and 1.19x the graph on disk, building one 2.25x and 2.15x (SmolLM2,
         # Gemma 3 270M; docs/BENCHMARKS.md): a build needs about one graph more, for the load only.
         weights = graph_bytes(info)
-        building = 0 if is_built(info, GraphSpec(options.kv_type, ACCURACY_LEVEL)) else weights
+        level = chosen_accuracy_level(info) if _four_bit(info) else FLOAT
+        built = level is not None and is_built(info, GraphSpec(options.kv_type, level))
+        building = 0 if built else weights  # measuring the level builds the two graphs one after the other
         return MemoryNeed(
             weights=weights * 5 // 4,
             kv=kv,
             overhead=BASE_OVERHEAD_BYTES + compute_bytes(info, options) + building,
         )
 
-    def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
+    def __init__(self, info: ModelInfo, options: BackendOptions, *, accuracy_level: int | None = None) -> None:
+        """Load ``info``'s graph (built first if need be) with its 4-bit products at ``accuracy_level``: by default
+        the level measured for the model (``accuracy_level``)."""
         reason = self.supports(info)
         if reason is not None:
             raise BackendUnavailableError(f"the onnxruntime backend cannot run this model: {reason}")
@@ -128,7 +138,8 @@ class OnnxRuntimeBackend:
         self._hp = hp
         self._n_vocab = hp.n_vocab
         self._batch_size = options.batch_size
-        spec = GraphSpec(options.kv_type, ACCURACY_LEVEL)
+        level = self.accuracy_level(info, options) if accuracy_level is None else accuracy_level
+        spec = GraphSpec(options.kv_type, level)
         graph = cached_graph(info, spec)
         self._session = self._open_session(info, graph, options)
         with open_tensors(info) as tensors:
@@ -143,6 +154,25 @@ class OnnxRuntimeBackend:
         self._bindings: dict[int, ort.IOBinding] = {}  # a sequence's cache, bound: dropped when regions move
         self._last_logits = np.zeros((options.n_seq, 1, hp.n_vocab), np.float32)  # each sequence's last row
         self._closed = False
+
+    @classmethod
+    def accuracy_level(cls, info: ModelInfo, options: BackendOptions) -> int:
+        """MatMulNBits' accuracy level for ``info``'s 4-bit products: int8 activations where they move the model
+        little, measured at its first load (``activations.py``) and kept in the graph cache."""
+        if not _four_bit(info):
+            return FLOAT  # the level changes nothing: 8-bit codes always take int8 activations, floats none
+        with choosing_accuracy_level(info):
+            level = chosen_accuracy_level(info)
+            if level is None:
+                log.info("measuring whether %s can take int8 activations (once per model)", info.path.name)
+                calibration = dataclasses.replace(options, kv_tokens=CALIBRATION_TOKENS, n_seq=1)
+                kld = int8_kld(lambda at: cls(info, calibration, accuracy_level=at))
+                level = INT8 if kld <= INT8_KLD_LIMIT else FLOAT
+                record_accuracy_level(info, level, kld)
+                remove_graph(info, GraphSpec(options.kv_type, FLOAT if level == INT8 else INT8))
+                log.info("%s: int8 activations move it by KLD %.1e (limit %.0e): %s", info.path.name, kld,
+                         INT8_KLD_LIMIT, "int8 kept" if level == INT8 else "float kept")  # fmt: skip
+        return level
 
     # -- contract -----------------------------------------------------------------------------------
 
@@ -313,6 +343,11 @@ class OnnxRuntimeBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise BackendError("this onnxruntime backend is closed (its engine was closed); create a new Engine")
+
+
+def _four_bit(info: ModelInfo) -> bool:
+    """Whether ``info`` has matrices of 4-bit codes, the products whose activations can be float or int8."""
+    return any(t.type in FOUR_BIT_TYPES and len(t.shape) > 1 for t in info.tensors)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -44,7 +44,7 @@ from edgeinfer.models.tensors import GGUFTensors
 from .weights import NBITS_TYPES, NBits, ZeroPoints, concat, matmul, nbits, pack4
 
 # Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt.
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
@@ -79,6 +79,12 @@ class GraphSpec:
     def key(self) -> str:
         """A name part for the cached graph."""
         return f"kv{self.kv_type}-acc{self.accuracy_level}"
+
+    @property
+    def description(self) -> str:
+        """The spec for a person: its cache type and its 4-bit products' activations."""
+        activations = "float" if self.accuracy_level == 0 else "int8"
+        return f"{self.kv_type} cache, {activations} activations for 4-bit codes"
 
 
 def unmapped_types(info: ModelInfo) -> list[str]:
@@ -137,17 +143,22 @@ class _Builder:
         """A float32 vector of the file (norm weights, biases)."""
         return self.constant(name, self.tensors.dequantize(name).reshape(-1))
 
-    def project(self, names: list[str], a: str, y: str, rank: int = 3) -> str:
-        """``y = a @ W.T`` for the file's matrices ``names`` stacked into one ``W`` (all of one type): one
-        kernel for Q, K and V, or for the FFN's gate and up, where several would each pay their own overhead."""
+    def project(self, names: list[str], a: str, y: str, rank: int = 3, biases: list[str] | None = None) -> str:
+        """``y = a @ W.T (+ b)`` for the file's matrices ``names`` stacked into one ``W`` (all of one type), and their
+        ``biases`` into one ``b``: one kernel for Q, K and V, or for the FFN's gate and up, where several would each
+        pay their own overhead."""
         kind = self.tensors[names[0]].type
+        bias = None if biases is None else np.concatenate([self.tensors.dequantize(name) for name in biases])
         if kind in FLOAT_TYPES:
             w = np.concatenate([self.tensors.dequantize(name) for name in names])
-            return self.node("MatMul", [a, self.constant(f"{y}.transposed", w.T)], y)
+            if bias is None:
+                return self.node("MatMul", [a, self.constant(f"{y}.transposed", w.T)], y)
+            product = self.node("MatMul", [a, self.constant(f"{y}.transposed", w.T)], f"{y}.unbiased")
+            return self.node("Add", [product, self.constant(f"{y}.bias", bias)], y)
         weight = concat([nbits(self.tensors.raw(n), kind, self.tensors[n].shape[0], ZeroPoints.SPLIT) for n in names])
         # 8-bit codes have a fast kernel only for int8 activations: 72x slower without at 4096² (docs/BENCHMARKS.md).
         level = EIGHT_BIT_ACCURACY_LEVEL if weight.bits == 8 else self.spec.accuracy_level
-        nodes, arrays = matmul(weight, a, y, y, level, rank)
+        nodes, arrays = matmul(weight, a, y, y, level, rank, bias)
         self.nodes += nodes
         self.initializers += arrays
         return y
@@ -247,21 +258,16 @@ class _Builder:
         names = [tensor_name(kind, layer) for kind in kinds]
         sizes = [hp.q_dim, hp.kv_dim, hp.kv_dim]
         labels = [f"{prefix}.{label}" for label in ("q", "k", "v")]
+        biases = [tensor_name(kind, layer, "bias") for kind in kinds] if arch.qkv_bias else None
         if self.fusable(names):  # one product, which GQA takes packed unless Q and K need norms first
-            qkv = [self.project(names, h, f"{prefix}.qkv")]
-            if arch.qkv_bias:
-                biases = np.concatenate([self.tensors.dequantize(tensor_name(k, layer, "bias")) for k in kinds])
-                bias = self.constant(f"{prefix}.qkv.bias", biases)
-                qkv = [self.node("Add", [qkv[0], bias], f"{prefix}.qkv.biased")]
+            qkv = [self.project(names, h, f"{prefix}.qkv", biases=biases)]
             if arch.qk_norm:
                 qkv = self.split(qkv[0], sizes, labels)
         else:
-            qkv = [self.project([name], h, label) for name, label in zip(names, labels, strict=True)]
-            if arch.qkv_bias:
-                qkv = [
-                    self.node("Add", [y, self.vector(tensor_name(kind, layer, "bias"))], f"{y}.biased")
-                    for y, kind in zip(qkv, kinds, strict=True)
-                ]
+            qkv = [
+                self.project([name], h, label, biases=[bias] if bias else None)
+                for name, label, bias in zip(names, labels, biases or [""] * 3, strict=True)
+            ]
         if arch.qk_norm:  # over each head's own vector, before RoPE (GQA's own Q/K norm inputs are GPU-only)
             heads = self.constant("heads_shape", np.array([0, 0, -1, hp.head_dim], np.int64))
             flat = self.constant("flat_shape", np.array([0, 0, -1], np.int64))

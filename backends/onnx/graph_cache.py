@@ -9,7 +9,11 @@ rows) only the pages read are in memory, where a graph holding its weights stays
 
 Both files are built in a folder of their own and renamed into place, weights first; the SHA-256 of
 both, written last, is what makes them a graph. A pair whose bytes no longer match it (cut short,
-damaged, or half written by a crash) is rebuilt, never loaded.
+damaged, or half written by a crash) is rebuilt, never loaded. One process builds a graph at a
+time: another that needs it waits on a lock file beside it, then loads what the first built.
+
+The accuracy level measured for a model's 4-bit products (``activations.py``) is kept here too,
+keyed by the GGUF's hash and the builder's version.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
+from filelock import FileLock, Timeout
 from onnx.external_data_helper import set_external_data
 
 from edgeinfer.errors import InvalidOptionError
@@ -87,35 +94,118 @@ def _digests_path(graph: Path) -> Path:
 def cached_graph(info: ModelInfo, spec: GraphSpec) -> Path:
     """The path of ``info``'s graph, built now if it is not on disk whole."""
     path = graph_path(info, spec)
+    if _whole(path):
+        return path
+    _remove_abandoned_builds(path)
+    try:  # made before building: an unwritable cache fails at once
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    with _locked(path, f"another process is building the ONNX graph of {info.path.name}; waiting for it"):
+        if _whole(path):  # built by the process this one waited for
+            return path
+        _build(info, spec, path)
+    _remove_older_builds(path)
+    return path
+
+
+def _whole(path: Path) -> bool:
+    """Whether the graph at ``path``, its weights and their digests are all there and agree."""
     files = (path, weights_path(path))
     digest_path = _digests_path(path)
-    if all(f.exists() for f in (*files, digest_path)):
-        if digest_path.read_bytes().split() == [file_digest(f).encode() for f in files]:
-            return path
-        log.warning("the cached graph %s is damaged; building it again", path.name)
-    _remove_abandoned_builds(path)
-    try:  # the folder the files are built in, made before building: an unwritable cache fails at once
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if not all(f.exists() for f in (*files, digest_path)):
+        return False
+    if digest_path.read_bytes().split() == [file_digest(f).encode() for f in files]:
+        return True
+    log.warning("the cached graph %s is damaged; building it again", path.name)
+    return False
+
+
+def _build(info: ModelInfo, spec: GraphSpec, path: Path) -> None:
+    """Build the graph in a folder of its own, then rename its files into place: weights, graph, digests."""
+    files = (path, weights_path(path))
+    try:
         folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     except OSError as exc:
         raise _unwritable(path, exc) from None
     try:
-        log.info("building the ONNX graph of %s", info.path.name)
         with open_tensors(info) as tensors:
-            model = build_graph(info, tensors, spec, _progress(info.path.name))
+            model = build_graph(info, tensors, spec, _progress(info.path.name, spec))
         built = [folder / f.name for f in files]
         try:
             _save(model, *built)
             digests = [file_digest(f) for f in built]
             for source, target in reversed(list(zip(built, files, strict=True))):
                 replace_durably(source, target)
-            write_atomic(digest_path, "\n".join(digests) + "\n")
+            write_atomic(_digests_path(path), "\n".join(digests) + "\n")
         except OSError as exc:
             raise _unwritable(path, exc) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    _remove_older_builds(path)
-    return path
+
+
+def remove_graph(info: ModelInfo, spec: GraphSpec) -> None:
+    """Remove ``info``'s graph built under ``spec``, if there is one (a graph the model will not use)."""
+    path = graph_path(info, spec)
+    with _locked(path, f"another process is building the ONNX graph of {info.path.name}; waiting for it"):
+        for f in (_digests_path(path), path, weights_path(path)):  # its digests first: no longer a graph
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+def _activations_path(info: ModelInfo) -> Path:
+    return cache_dir() / "onnx" / f"{_gguf_digest(info.path)[:32]}-v{BUILDER_VERSION}-activations.json"
+
+
+def chosen_accuracy_level(info: ModelInfo) -> int | None:
+    """The accuracy level measured for ``info``'s 4-bit products, or None if it has not been measured (or its
+    record is unreadable, which measures it again)."""
+    try:
+        level = json.loads(_activations_path(info).read_bytes())["accuracy_level"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return level if isinstance(level, int) and not isinstance(level, bool) else None
+
+
+def record_accuracy_level(info: ModelInfo, level: int, kld: float) -> None:
+    """Keep the accuracy level chosen for ``info``, with the KLD it was chosen by."""
+    path = _activations_path(info)
+    record = {"accuracy_level": level, "int8_kld": kld, "model": info.path.name}
+    try:
+        write_atomic(path, json.dumps(record) + "\n")
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+
+
+@contextlib.contextmanager
+def choosing_accuracy_level(info: ModelInfo) -> Iterator[None]:
+    """Held while ``info``'s accuracy level is measured: another process loading the model waits for the choice."""
+    path = _activations_path(info)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    with _locked(path, f"another process is measuring {info.path.name} on ONNX Runtime; waiting for it"):
+        yield
+
+
+@contextlib.contextmanager
+def _locked(path: Path, waiting: str) -> Iterator[None]:
+    """An exclusive lock on ``path`` among processes (a lock file beside it), saying ``waiting`` if it must wait.
+    The operating system lets go of a lock whose process dies."""
+    lock = FileLock(path.with_name(path.name + ".lock"))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.info(waiting)
+            lock.acquire()
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # Initializers this large go in the weights' file; smaller ones (norm weights, shapes) stay in the graph.
@@ -175,8 +265,15 @@ def _unwritable(path: Path, exc: OSError) -> InvalidOptionError:
     )
 
 
-def _progress(name: str):
+def _progress(name: str, spec: GraphSpec):
     def report(done: int, total: int) -> None:
-        log.info("building %s's graph: layer %d of %d", name, done, total)
+        log.info(
+            "building the ONNX graph of %s (%s): layer %d of %d",
+            name,
+            spec.description,
+            done,
+            total,
+            extra={"progress": done < total},  # rewritten in place on a terminal (edgeinfer/notes.py)
+        )
 
     return report

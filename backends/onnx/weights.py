@@ -280,18 +280,25 @@ def _f16(pairs: np.ndarray) -> np.ndarray:
 
 
 def matmul(
-    weight: NBits, a: str, y: str, name: str, accuracy_level: int, rank: int = 2
+    weight: NBits, a: str, y: str, name: str, accuracy_level: int, rank: int = 2, bias: np.ndarray | None = None
 ) -> tuple[list[NodeProto], list[TensorProto]]:
-    """The nodes computing ``y = a @ W.T`` for float32 ``a`` of ``rank`` dimensions, the last ``k``, and their
-    initializers (named after ``name``)."""
+    """The nodes computing ``y = a @ W.T (+ bias)`` for float32 ``a`` of ``rank`` dimensions, the last ``k``, and
+    their initializers (named after ``name``)."""
     arrays = {f"{name}.codes": weight.codes, f"{name}.scales": weight.scales}
     if weight.zero_points is not None:
         arrays[f"{name}.zero_points"] = weight.zero_points
+    if bias is not None:  # MatMulNBits' own bias input: one node fewer than an Add after it
+        arrays[f"{name}.bias"] = bias.astype(np.float32)
+    # MatMulNBits' inputs by position: A, B, scales, then zero_points, g_idx and bias, "" for one not given.
+    optional = [key if key in arrays else "" for key in (f"{name}.zero_points", f"{name}.g_idx", f"{name}.bias")]
+    while optional and not optional[-1]:
+        optional.pop()
+    inputs = [a, f"{name}.codes", f"{name}.scales", *optional]
     product = y if weight.offsets is None else f"{name}.codes_product"
     nodes = [
         helper.make_node(
             "MatMulNBits",
-            [a, *arrays],
+            inputs,
             [product],
             name=name,
             domain="com.microsoft",

@@ -1,0 +1,49 @@
+"""Which activations the ONNX Runtime backend chooses for each model's 4-bit products, measured afresh.
+
+Runs the backend's first-load measurement (``backends/onnx/activations.py``) in an empty graph
+cache, so both graphs are built and scored: prints the KLD of int8 activations from float ones,
+the level chosen, and how long measuring took (both builds included).
+
+    python scripts/onnx_activations.py smollm2-135m gemma3-270m /tmp/tiny-qwen2-q4_0.gguf --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from edgeinfer.backends.base import BackendOptions
+from edgeinfer.backends.onnx.activations import INT8
+from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
+from edgeinfer.models.catalog import resolve_model
+from edgeinfer.models.info import load_model_info
+from edgeinfer.system import thread_count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+", help="catalog aliases or .gguf paths")
+    parser.add_argument("--kv-type", default="f16", choices=("f16", "f32"))
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args()
+    options = BackendOptions(kv_tokens=512, kv_type=args.kv_type, threads=thread_count(args.threads))
+    for model in args.models:
+        info = load_model_info(resolve_model(model))
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["EDGEINFER_CACHE_DIR"] = cache
+            start = time.perf_counter()
+            level = OnnxRuntimeBackend.accuracy_level(info, options)
+            took = time.perf_counter() - start
+            records = list(Path(cache, "onnx").glob("*-activations.json"))
+            kld = json.loads(records[0].read_text())["int8_kld"] if records else None
+        measured = "not measured: no 4-bit codes" if kld is None else f"int8 KLD from float {kld:.1e}"
+        chosen = "int8" if level == INT8 else "float"
+        print(f"{info.path.name}: {measured}, {chosen} activations; measuring took {took:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
