@@ -1,6 +1,6 @@
 """Several KV sequences: answers decoded together against one after another, and the router's samples.
 
-    python scripts/bench_sequences.py --threads 2 --runs 3
+    python scripts/bench_sequences.py --threads 2 --runs 3 [--backend onnxruntime]
 
 Prints aggregate decode tokens/s for N greedy answers of the same prompt decoded together
 (``Engine.generate_batch``, one ``llama_decode`` per step for all of them) and one after another,
@@ -62,12 +62,13 @@ def router_ttft(engine: Engine, samples: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--backend", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--sequences", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    with Engine(args.model, kv_budget="2048tok", threads=args.threads) as engine:
+    with Engine(args.model, backend=args.backend, kv_budget="2048tok", threads=args.threads) as engine:
         for n in args.sequences:
             together, apart = [], []
             for _ in range(args.runs):

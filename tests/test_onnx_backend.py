@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -249,6 +250,72 @@ def test_a_graph_another_process_is_building_is_waited_for_not_built_twice(tiny,
         assert not any(r.message.startswith("building") for r in caplog.records)  # the other process's graph, loaded
     finally:
         holder.kill()
+
+
+class CountedSession:
+    """An ONNX Runtime session that counts its runs (the backend's own, passed through)."""
+
+    def __init__(self, session) -> None:
+        self.session, self.runs = session, 0
+
+    def run_with_iobinding(self, binding) -> None:
+        self.runs += 1
+        self.session.run_with_iobinding(binding)
+
+    def io_binding(self):
+        return self.session.io_binding()
+
+
+def test_sequences_decoding_a_token_each_run_as_one_batch_around_an_idle_one(tiny):
+    """Three sequences: 0 and 2 step together, in one run, while 1, between them, holds its tokens; then a full
+    sequence between them (no free cell for the batch to write to) sends the step back to one run a sequence.
+    Every row and every later step matches a backend that ran each sequence alone."""
+    prompts = {0: TOKENS[:9], 1: TOKENS[20:33], 2: TOKENS[40:61]}
+    steps = [{0: TOKENS[10 + i], 2: TOKENS[34 + i]} for i in range(4)]
+
+    def decode(backend, together: bool) -> tuple[list[np.ndarray], int]:
+        for seq, prompt in prompts.items():
+            backend.eval([Span(seq, 0, prompt)])
+        counted = backend._session = CountedSession(backend._session)
+        rows = []
+        for i, step in enumerate(steps):
+            spans = [Span(seq, len(prompts[seq]) + i, [token]) for seq, token in step.items()]
+            for batch in [spans] if together else [[span] for span in spans]:
+                rows += [row.copy() for row in backend.eval(batch)]
+        (last,) = backend.eval([Span(1, len(prompts[1]), [TOKENS[5]])])  # the idle one goes on as if alone
+        return [*rows, last.copy()], counted.runs
+
+    with closing(OnnxRuntimeBackend(tiny, options(kv_tokens=96, n_seq=3))) as backend:
+        batched, runs = decode(backend, together=True)
+    with closing(OnnxRuntimeBackend(tiny, options(kv_tokens=96, n_seq=3))) as backend:
+        alone, alone_runs = decode(backend, together=False)
+    assert runs == len(steps) + 1 and alone_runs == 2 * len(steps) + 1
+    for i, (expected, actual) in enumerate(zip(alone, batched, strict=True)):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4, err_msg=f"row {i}")
+
+    with closing(OnnxRuntimeBackend(tiny, options(kv_tokens=96, n_seq=3))) as backend:
+        backend.eval([Span(1, 0, TOKENS[:32])])  # its region of 32 cells, full
+        backend.eval([Span(0, 0, prompts[0]), Span(2, 0, prompts[2])])
+        backend._session = counted = CountedSession(backend._session)
+        full = [row.copy() for row in backend.eval([Span(0, 9, [steps[0][0]]), Span(2, 21, [steps[0][2]])])]
+    assert counted.runs == 2  # one a sequence
+    for expected, actual in zip(alone[:2], full, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(("level", "runs"), [(INT8, 1), (FLOAT, 2)])
+def test_4_bit_codes_batch_sequences_only_with_int8_activations(tmp_path, level, runs):
+    """MLAS's float path for 4-bit codes dequantizes for more than one row: a batch of two took 2.6x to 7x as
+    long as one row at SmolLM2's sizes, so sequences then run one by one, and agree either way."""
+    info = load_model_info(write_tiny_gguf(tmp_path / "q4_0.gguf", tensor_type="Q4_0", n_embd=256, n_head=4))
+    with closing(OnnxRuntimeBackend(info, options(n_seq=2), accuracy_level=level)) as backend:
+        backend.eval([Span(0, 0, TOKENS[:5]), Span(1, 0, TOKENS[10:17])])
+        (alone,) = [row.copy() for row in backend.eval([Span(1, 7, [TOKENS[17]])])]
+        backend.truncate(1, 7)
+        backend._session = counted = CountedSession(backend._session)
+        _, together = backend.eval([Span(0, 5, [TOKENS[5]]), Span(1, 7, [TOKENS[17]])])
+    assert counted.runs == runs
+    np.testing.assert_allclose(together, alone, rtol=0, atol=1e-3 if level == INT8 else 1e-4)
 
 
 def test_a_tensor_type_it_has_no_form_for_is_one_line_naming_it(tmp_path):

@@ -1,12 +1,17 @@
 """The ONNX Runtime backend: the GGUF's own blocks in a graph built from the file (``graph.py``).
 
 The KV cache is one pool of ``capacity`` cells per layer, keys and values, allocated once.
-GroupQueryAttention wants each sequence's cache as one dense ``(1, kv heads, cells, head_dim)``
+GroupQueryAttention wants a sequence's cache as one dense ``(1, kv heads, cells, head_dim)``
 tensor whose past and present are the same buffer, so each sequence owns a contiguous region
 of the pool, bound to the graph by address (IO binding): no token's keys are ever copied to
 run a step. Regions are sized to what their sequences hold plus a share of the free cells; a
 sequence that outgrows its region has the regions laid out afresh (a copy of the cells in use,
 rare). ``copy_prefix`` copies cells, so a copy costs cells (``shares_cells`` is False).
+
+Regions start out equal, and are laid out equal again whenever what the sequences hold allows it:
+then the pool of each layer is also one ``(sequences, kv heads, cells, head_dim)`` tensor, and
+sequences that decode a token each run as one batch, in one pass over the weights, wherever a
+batch is cheaper than its rows one by one (not with float activations for 4-bit codes).
 """
 
 from __future__ import annotations
@@ -146,13 +151,16 @@ class OnnxRuntimeBackend:
             self._rotary = Transformer(hp, tensors.dequantize)  # RoPE frequencies, for re-rotating evicted keys
         self._dtype = self._KV_DTYPES[options.kv_type]
         self._row = hp.n_head_kv * hp.head_dim  # values one cell of one layer's keys takes
-        capacity = options.kv_tokens
-        self._pool = np.zeros((hp.n_layer, 2, capacity * self._row), self._dtype)
-        share = capacity // options.n_seq
+        share = -(-options.kv_tokens // options.n_seq)  # rounded up: equal regions, which a batched step needs
+        self._pool = np.zeros((hp.n_layer, 2, share * options.n_seq * self._row), self._dtype)
         self._regions = [_Region(seq * share, share) for seq in range(options.n_seq)]
-        self._regions[-1].size = capacity - self._regions[-1].start
         self._bindings: dict[int, ort.IOBinding] = {}  # a sequence's cache, bound: dropped when regions move
+        self._together: dict[tuple[int, int], ort.IOBinding] = {}  # sequences first to last as one batch, bound
+        # Float activations for 4-bit codes take MLAS's dequantizing path for more than one row: a batch of two
+        # took 2.6x to 7x as long as one row at SmolLM2's sizes, so such a graph runs each sequence on its own.
+        self._batches = not (_four_bit(info) and level == FLOAT)
         self._last_logits = np.zeros((options.n_seq, 1, hp.n_vocab), np.float32)  # each sequence's last row
+        self._rows = np.zeros((options.n_seq, hp.n_vocab), np.float32)  # a batched step's rows
         self._closed = False
 
     @classmethod
@@ -206,6 +214,8 @@ class OnnxRuntimeBackend:
             self._lay_out(needs)
         out = []
         try:
+            if self._batchable(spans):
+                return self._run_together(spans)
             for span in spans:
                 rows = [self._run(span.seq, span.tokens[i : i + self._batch_size], span.all_logits)
                         for i in range(0, len(span.tokens), self._batch_size)]  # fmt: skip
@@ -253,6 +263,7 @@ class OnnxRuntimeBackend:
             return
         self._closed = True
         self._bindings.clear()
+        self._together.clear()
         del self._session
         self._pool = np.zeros((0, 2, 0), self._dtype)
 
@@ -300,6 +311,56 @@ class OnnxRuntimeBackend:
             raise BackendError(f"ONNX Runtime failed mid-evaluation: {_first_line(exc)}") from None
         return logits
 
+    def _batchable(self, spans: Sequence[Span]) -> bool:
+        """Whether ``spans`` can run as one batch: the graph's products gain from it; a token each, for several
+        sequences, while every region is of one size (the batch's cache tensor) with a free cell in each
+        sequence the batch spans (the step writes to every one)."""
+        if not self._batches or len(spans) < 2 or any(len(span.tokens) != 1 for span in spans):
+            return False
+        share = self.capacity // self.n_seq
+        first, last = min(span.seq for span in spans), max(span.seq for span in spans)
+        return all(r.start == s * share and r.size == share for s, r in enumerate(self._regions)) and all(
+            r.length < r.size for r in self._regions[first : last + 1]
+        )
+
+    def _run_together(self, spans: Sequence[Span]) -> list[np.ndarray]:
+        """One step for the sequences from the first span's to the last's, a token each: one pass over the
+        weights for all of them. One between them with no span steps too, on token 0 into its first free
+        cell, which holds nothing of it; its row is not computed past the last layer."""
+        first, last = min(span.seq for span in spans), max(span.seq for span in spans)
+        binding = self._together.get((first, last)) or self._bind_together(first, last)
+        lengths = np.array(self._lengths()[first : last + 1], np.int64)
+        ids = np.zeros((len(lengths), 1), np.int64)
+        for span in spans:
+            ids[span.seq - first, 0] = span.tokens[0]
+        binding.bind_cpu_input(INPUT_IDS, ids)
+        binding.bind_cpu_input(POSITION_IDS, lengths.reshape(-1, 1))
+        binding.bind_cpu_input(SEQLENS_K, lengths.astype(np.int32))  # positions held after the step, minus 1
+        binding.bind_cpu_input(TOTAL_LENGTH, np.array(lengths.max() + 1, np.int32))
+        binding.bind_cpu_input(LOGIT_ROWS, np.array([span.seq - first for span in spans], np.int64))
+        rows = self._rows[: len(spans)]
+        binding.bind_output(LOGITS, "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
+        for span in spans:
+            self._regions[span.seq].length += 1
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's failures are its own Exception classes
+            raise BackendError(f"ONNX Runtime failed mid-evaluation: {_first_line(exc)}") from None
+        return [rows[i : i + 1] if span.all_logits else rows[i] for i, span in enumerate(spans)]
+
+    def _bind_together(self, first: int, last: int) -> ort.IOBinding:
+        """An IO binding with the regions of sequences ``first`` to ``last`` of every layer as one batch."""
+        binding = self._session.io_binding()
+        hp, share = self._hp, self.capacity // self.n_seq
+        shape = (last + 1 - first, hp.n_head_kv, share, hp.head_dim)
+        for layer in range(hp.n_layer):
+            for kind, (past, present) in enumerate(zip(past_names(layer), present_names(layer), strict=True)):
+                address = self._pool[layer, kind, first * share * self._row :].ctypes.data
+                binding.bind_input(past, "cpu", 0, self._dtype, shape, address)
+                binding.bind_output(present, "cpu", 0, self._dtype, shape, address)
+        self._together[first, last] = binding
+        return binding
+
     def _bind(self, seq: int) -> ort.IOBinding:
         """An IO binding with ``seq``'s region of every layer's cache as its past and present."""
         binding = self._session.io_binding()
@@ -325,6 +386,9 @@ class OnnxRuntimeBackend:
         share of the other half."""
         held = [self._view(s)[:, :, :, : r.length].copy() for s, r in enumerate(self._regions)]
         sizes = [max(needs.get(s, 0), r.length) for s, r in enumerate(self._regions)]
+        share = self.capacity // self.n_seq
+        if max(sizes) < share:  # equal regions again, each with a free cell: sequences can step together
+            sizes = [share] * self.n_seq
         spare = self.capacity - sum(sizes)
         sizes = [size + spare // 2 // len(sizes) + (spare // 2 // len(needs) if s in needs else 0)
                  for s, size in enumerate(sizes)]  # fmt: skip
@@ -336,6 +400,7 @@ class OnnxRuntimeBackend:
         for s, cells in enumerate(held):
             self._view(s)[:, :, :, : cells.shape[3]] = cells
         self._bindings.clear()
+        self._together.clear()
 
     def _lengths(self) -> list[int]:
         return [region.length for region in self._regions]

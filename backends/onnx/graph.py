@@ -13,14 +13,15 @@ language models:
   pairs for the ``norm`` style), applies Q/K norms and sliding windows, and keeps each layer's keys,
   already rotated, and values in a buffer the caller owns: past and present are one buffer.
 
-One evaluation takes the tokens of one sequence. Inputs and outputs::
+One evaluation takes S new tokens of each of B sequences (B > 1 for sequences decoded together, a
+token each). Inputs and outputs::
 
-    input_ids        int64 (1, S)          the new tokens
-    position_ids     int64 (1, S)          their positions
-    seqlens_k        int32 (1,)            positions held after this step, minus 1
-    total_sequence_length  int32 ()        positions held after this step
-    logit_rows       int64 (R,)            which of the S tokens get logits (the last, or all)
-    past_key.L, past_value.L   (1, kv heads, C, head_dim)  layer L's cache of C cells, f16 or f32
+    input_ids        int64 (B, S)          the new tokens
+    position_ids     int64 (B, S)          their positions
+    seqlens_k        int32 (B,)            positions each sequence holds after this step, minus 1
+    total_sequence_length  int32 ()        the most positions a sequence holds after this step
+    logit_rows       int64 (R,)            which of the B * S tokens get logits (the last, or all)
+    past_key.L, past_value.L   (B, kv heads, C, head_dim)  layer L's cache of C cells a sequence, f16 or f32
     logits           float32 (R, n_vocab)
     present_key.L, present_value.L         the same buffers as past_key.L, past_value.L
 """
@@ -44,7 +45,7 @@ from edgeinfer.models.tensors import GGUFTensors
 from .weights import NBITS_TYPES, NBits, ZeroPoints, concat, matmul, nbits, pack4
 
 # Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt.
-BUILDER_VERSION = 5
+BUILDER_VERSION = 6
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
@@ -234,11 +235,11 @@ class _Builder:
             return rows
         # Each block's offset, gathered by row and added to its block's elements.
         offsets = self.node("Gather", [self.constant(f"{name}.row_offsets", weight.offsets), INPUT_IDS], "offsets")
-        shape = self.constant("embedded.block_shape", np.array([1, -1, blocks, weight.block_size], np.int64))
+        shape = self.constant("embedded.block_shape", np.array([0, 0, blocks, weight.block_size], np.int64))
         split = self.node("Reshape", [rows, shape], "embedded.blocks")
         axes = self.constant("unsqueeze_last", np.array([-1], np.int64))
         added = self.node("Add", [split, self.node("Unsqueeze", [offsets, axes], "offsets.column")], "embedded.sums")
-        flat = self.constant("embedded.shape", np.array([1, -1, self.hp.n_embd], np.int64))
+        flat = self.constant("embedded.shape", np.array([0, 0, self.hp.n_embd], np.int64))
         return self.node("Reshape", [added, flat], "embedded")
 
     def rope_tables(self, layer: int) -> tuple[str, str]:
@@ -363,14 +364,14 @@ class _Builder:
         hp = self.hp
         kv = KV_ELEMENT[self.spec.kv_type]
         inputs = [
-            helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, "tokens"]),
-            helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, [1, "tokens"]),
-            helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [1]),
+            helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", "tokens"]),
+            helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", "tokens"]),
+            helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, ["batch"]),
             helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
             helper.make_tensor_value_info(LOGIT_ROWS, TensorProto.INT64, ["rows"]),
         ]
         outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["rows", hp.n_vocab])]
-        cache_shape = [1, hp.n_head_kv, "cells", hp.head_dim]
+        cache_shape = ["batch", hp.n_head_kv, "cells", hp.head_dim]
         for layer in range(hp.n_layer):
             inputs += [helper.make_tensor_value_info(name, kv, cache_shape) for name in past_names(layer)]
             outputs += [helper.make_tensor_value_info(name, kv, cache_shape) for name in present_names(layer)]
