@@ -305,8 +305,8 @@ def test_sequences_decoding_a_token_each_run_as_one_batch_around_an_idle_one(tin
 
 @pytest.mark.parametrize(("level", "runs"), [(INT8, 1), (FLOAT, 2)])
 def test_4_bit_codes_batch_sequences_only_with_int8_activations(tmp_path, level, runs):
-    """MLAS's float path for 4-bit codes dequantizes for more than one row: a batch of two took 2.6x to 7x as
-    long as one row at SmolLM2's sizes, so sequences then run one by one, and agree either way."""
+    """MLAS's float path for 4-bit codes dequantizes for more than one row: two rows took 1.6x to 3.6x as long
+    as one (docs/BENCHMARKS.md), so sequences then run one by one, and agree either way."""
     info = load_model_info(write_tiny_gguf(tmp_path / "q4_0.gguf", tensor_type="Q4_0", n_embd=256, n_head=4))
     with closing(OnnxRuntimeBackend(info, options(n_seq=2), accuracy_level=level)) as backend:
         backend.eval([Span(0, 0, TOKENS[:5]), Span(1, 0, TOKENS[10:17])])

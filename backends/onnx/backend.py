@@ -156,8 +156,8 @@ class OnnxRuntimeBackend:
         self._regions = [_Region(seq * share, share) for seq in range(options.n_seq)]
         self._bindings: dict[int, ort.IOBinding] = {}  # a sequence's cache, bound: dropped when regions move
         self._together: dict[tuple[int, int], ort.IOBinding] = {}  # sequences first to last as one batch, bound
-        # Float activations for 4-bit codes take MLAS's dequantizing path for more than one row: a batch of two
-        # took 2.6x to 7x as long as one row at SmolLM2's sizes, so such a graph runs each sequence on its own.
+        # Float activations for 4-bit codes take MLAS's dequantizing path for more than one row: two rows took
+        # 1.6x to 3.6x as long as one (docs/BENCHMARKS.md), so such a graph runs each sequence on its own.
         self._batches = not (_four_bit(info) and level == FLOAT)
         self._last_logits = np.zeros((options.n_seq, 1, hp.n_vocab), np.float32)  # each sequence's last row
         self._rows = np.zeros((options.n_seq, hp.n_vocab), np.float32)  # a batched step's rows
