@@ -18,6 +18,7 @@ log = logging.getLogger("edgeinfer.backends")
 BACKENDS: dict[str, str] = {
     "llamacpp": "edgeinfer.backends.llamacpp:LlamaCppBackend",
     "onnxruntime": "edgeinfer.backends.onnx.backend:OnnxRuntimeBackend",
+    "opencl": "edgeinfer.backends.opencl.backend:OpenCLBackend",
     "reference": "edgeinfer.backends.reference:ReferenceBackend",
 }
 

@@ -19,17 +19,8 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, causal, gguf_weights
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from .base import (
-    CPU,
-    BackendOptions,
-    Device,
-    Span,
-    check_copy,
-    check_room,
-    check_sequence,
-    check_spans,
-    compute_bytes,
-)
+from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
+from .cells import CellPool
 
 
 class ReferenceBackend:
@@ -76,18 +67,17 @@ class ReferenceBackend:
         shape = (hp.n_layer, options.kv_tokens, hp.n_head_kv, hp.head_dim)
         dtype = self._KV_DTYPES[options.kv_type]
         self._k, self._v = np.zeros(shape, dtype), np.zeros(shape, dtype)
-        self._users = np.zeros(options.kv_tokens, np.int32)  # sequences holding each cell
-        self._cells: list[list[int]] = [[] for _ in range(options.n_seq)]  # each sequence's cells, by position
+        self._pool = CellPool(options.kv_tokens, options.n_seq)
         self._pending: list[tuple[int, slice, np.ndarray]] = []  # during eval: (seq, its rows, its new cells)
         self._closed = False
 
     @property
     def capacity(self) -> int:
-        return len(self._users)
+        return self._pool.capacity
 
     @property
     def n_seq(self) -> int:
-        return len(self._cells)
+        return self._pool.n_seq
 
     @property
     def can_shift(self) -> bool:
@@ -103,18 +93,13 @@ class ReferenceBackend:
 
     def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
         self._check_open()
-        check_spans(spans, self._lengths(), self._n_vocab)
-        free = np.flatnonzero(self._users == 0)
-        check_room(sum(len(span.tokens) for span in spans), len(free), self.capacity)
+        check_spans(spans, self._pool.lengths(), self._n_vocab)
         tokens: list[int] = []
         positions: list[int] = []
         row_slices = []
-        for span in spans:
+        for span, cells in zip(spans, self._pool.take(spans), strict=True):
             rows = slice(len(tokens), len(tokens) + len(span.tokens))
             row_slices.append(rows)
-            cells, free = free[: len(span.tokens)], free[len(span.tokens) :]
-            self._users[cells] = 1
-            self._cells[span.seq].extend(cells.tolist())
             self._pending.append((span.seq, rows, cells))
             tokens.extend(span.tokens)
             positions.extend(range(span.start, span.start + len(span.tokens)))
@@ -139,7 +124,7 @@ class ReferenceBackend:
         for seq, rows, cells in self._pending:
             self._k[layer, cells] = k[rows]
             self._v[layer, cells] = v[rows]
-            held = self._cells[seq]
+            held = self._pool.cells(seq)
             keys = self._k[layer, held].astype(np.float32)
             values = self._v[layer, held].astype(np.float32)
             n = rows.stop - rows.start
@@ -148,35 +133,19 @@ class ReferenceBackend:
 
     def truncate(self, seq: int, n: int) -> None:
         self._check_open()
-        check_sequence(seq, self._lengths())
-        held = self._cells[seq]
-        self._users[held[n:]] -= 1
-        del held[n:]
+        self._pool.truncate(seq, n)
 
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
-        check_sequence(seq, self._lengths())
-        held = self._cells[seq]
-        kept = held[end:]
-        if np.any(self._users[held[start:]] > 1):
-            raise BackendError(f"sequence {seq} shares positions from {start} on with another; it cannot evict them")
-        self._users[held[start:end]] -= 1
+        kept = self._pool.evict(seq, start, end)
         # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
         back = np.full(len(kept), start - end)
         for layer in range(self.model.hp.n_layer):
             self._k[layer, kept] = self.model.rope(self._k[layer, kept].astype(np.float32), back, layer)
-        del held[start:end]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self._check_open()
-        check_copy(src, dst, n, self._lengths())
-        shared = self._cells[src][:n]
-        self.truncate(dst, 0)
-        self._users[shared] += 1
-        self._cells[dst] = list(shared)
-
-    def _lengths(self) -> list[int]:
-        return [len(cells) for cells in self._cells]
+        self._pool.copy_prefix(src, dst, n)
 
     def _check_open(self) -> None:
         if self._closed:

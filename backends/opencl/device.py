@@ -1,0 +1,94 @@
+"""The OpenCL devices this machine has, as ``edgeinfer info`` lists them and the backend picks one.
+
+A device is named by its platform and device indices, ``P:D`` (``0:1``: the second device of the
+first platform). The default is ``EDGEINFER_OPENCL_DEVICE`` if set (``P:D`` or a part of a device's
+name, ``pocl`` or ``NVIDIA``), else the first GPU, else the first device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pyopencl as cl
+
+from edgeinfer.errors import BackendUnavailableError, InvalidOptionError
+
+ENV = "EDGEINFER_OPENCL_DEVICE"
+INSTALL_HINT = (
+    "install an OpenCL driver: your GPU vendor's, or PoCL for the CPU (Debian and Ubuntu: apt install pocl-opencl-icd)"
+)
+
+
+@dataclass(frozen=True)
+class OpenCLDevice:
+    """One OpenCL device and what the kernels care about."""
+
+    index: str  # "P:D"
+    name: str
+    platform: str
+    opencl_c: str  # the OpenCL C version its compiler takes, e.g. "OpenCL C 1.2 PoCL"
+    gpu: bool
+    compute_units: int
+    global_bytes: int
+    local_bytes: int
+    fp16: bool  # cl_khr_fp16: half arithmetic (half storage works everywhere)
+    subgroups: bool
+
+    def describe(self) -> str:
+        features = [f for f, has in (("fp16", self.fp16), ("subgroups", self.subgroups)) if has]
+        return (
+            f"{self.name} ({self.platform}; {self.opencl_c}; {'GPU' if self.gpu else 'CPU'}, "
+            f"{self.compute_units} compute units, {self.global_bytes / 2**30:.1f} GiB global, "
+            f"{self.local_bytes // 1024} KiB local; {', '.join(features) or 'no fp16, no subgroups'})"
+        )
+
+
+def opencl_devices() -> list[tuple[OpenCLDevice, cl.Device]]:
+    """Every device of every platform, in platform order; empty where no OpenCL driver is installed."""
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:  # no ICD at all: clGetPlatformIDs fails rather than finding none
+        return []
+    found = []
+    for p, platform in enumerate(platforms):
+        try:
+            devices = platform.get_devices()
+        except cl.Error:  # a platform with no devices reports it as an error
+            continue
+        for d, device in enumerate(devices):
+            extensions = device.extensions.split()
+            found.append(
+                (
+                    OpenCLDevice(
+                        index=f"{p}:{d}",
+                        name=device.name.strip(),
+                        platform=platform.name.strip(),
+                        opencl_c=device.opencl_c_version.strip(),
+                        gpu=bool(device.type & cl.device_type.GPU),
+                        compute_units=device.max_compute_units,
+                        global_bytes=device.global_mem_size,
+                        local_bytes=device.local_mem_size,
+                        fp16="cl_khr_fp16" in extensions,
+                        subgroups="cl_khr_subgroups" in extensions or "cl_intel_subgroups" in extensions,
+                    ),
+                    device,
+                )
+            )
+    return found
+
+
+def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
+    """The device ``wanted`` names (``P:D`` or part of its name; None: ``EDGEINFER_OPENCL_DEVICE``, else the
+    first GPU, else the first device). One line naming the devices there are if none matches."""
+    devices = opencl_devices()
+    if not devices:
+        raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
+    wanted = wanted or os.environ.get(ENV) or None
+    if wanted is None:
+        return next((pair for pair in devices if pair[0].gpu), devices[0])
+    for pair in devices:
+        if wanted == pair[0].index or wanted.lower() in pair[0].name.lower():
+            return pair
+    names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
+    raise InvalidOptionError(f"no OpenCL device {wanted!r} here; choose one by index or a part of its name: {names}")

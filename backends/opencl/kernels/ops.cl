@@ -1,0 +1,130 @@
+// Everything but the matrix products, for one token of one sequence at a time: norms, RoPE and the KV
+// cache, attention and the FFN's gate. OpenCL C 1.2 core only. Built with HEAD_DIM set to the model's,
+// and KV_HALF defined for an f16 cache (stored through vstore_half: no fp16 extension is needed).
+//
+// What changes from one token to the next is in `step`, uploaded once a step: step[0] is the number of
+// positions the sequence holds with this token, step[1] the cell its keys and values go to. Every other
+// argument is set once, when the backend plans its kernels, so a step only enqueues them.
+
+#ifdef KV_HALF
+#define KV_T half
+#define KV_LOAD(i, p) vload_half((i), (p))
+#define KV_STORE(v, i, p) vstore_half((v), (i), (p))
+#else
+#define KV_T float
+#define KV_LOAD(i, p) ((p)[i])
+#define KV_STORE(v, i, p) ((p)[i] = (v))
+#endif
+
+// y = x / rms(x) * w for each of the rows (work-items) of n values from x + at; y may be x.
+__kernel void rms_norm(__global float *x, __global const float *w, __global float *y, int n, float eps, int at) {
+    size_t row = at + (size_t)get_global_id(0) * n;
+    float squares = 0.0f;
+    for (int i = 0; i < n; i++)
+        squares += x[row + i] * x[row + i];
+    float scale = rsqrt(squares / n + eps);
+    for (int i = 0; i < n; i++)
+        y[row + i] = x[row + i] * scale * w[i];
+}
+
+// x += y, then h = rms_norm(x) * w: a block's residual add and the next norm, in one work-item.
+__kernel void add_norm(__global float *x, __global const float *y, __global const float *w, __global float *h,
+                       int n, float eps) {
+    float squares = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] += y[i];
+        squares += x[i] * x[i];
+    }
+    float scale = rsqrt(squares / n + eps);
+    for (int i = 0; i < n; i++)
+        h[i] = x[i] * scale * w[i];
+}
+
+// Indices of rotation pair i of a head: (2i, 2i + 1) in the "norm" style, (i, i + HEAD_DIM / 2) in "neox".
+int2 pair_of(int i, int neox) {
+    return neox ? (int2)(i, i + HEAD_DIM / 2) : (int2)(2 * i, 2 * i + 1);
+}
+
+// RoPE on the query heads (scaled by the attention's scale) and the key heads of qkv = [q | k | v], then the
+// keys and values into cell step[1] of the layer's cache: a work-item a rotation pair of one head.
+__kernel void rope_store(__global float *qkv, __global const float *cos_, __global const float *sin_,
+                         __global KV_T *keys, __global KV_T *values, __global const int *step,
+                         int n_head, int n_kv, int neox, float scale) {
+    int half_dim = HEAD_DIM / 2;
+    int head = get_global_id(0) / half_dim, i = get_global_id(0) % half_dim;
+    int2 ab = pair_of(i, neox);
+    int q_dim = n_head * HEAD_DIM, kv_dim = n_kv * HEAD_DIM;
+    bool is_key = head >= n_head;
+    int start = head * HEAD_DIM;  // keys follow the queries in qkv
+    float s = is_key ? 1.0f : scale;
+    float c = cos_[i] * s, sn = sin_[i] * s;
+    float x0 = qkv[start + ab.x], x1 = qkv[start + ab.y];
+    float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
+    qkv[start + ab.x] = r0;
+    qkv[start + ab.y] = r1;
+    if (is_key) {
+        int within = start - q_dim;  // this key head's place in the cell
+        size_t cell = (size_t)step[1] * kv_dim + within;
+        KV_STORE(r0, cell + ab.x, keys);
+        KV_STORE(r1, cell + ab.y, keys);
+        KV_STORE(qkv[q_dim + kv_dim + within + ab.x], cell + ab.x, values);
+        KV_STORE(qkv[q_dim + kv_dim + within + ab.y], cell + ab.y, values);
+    }
+}
+
+// Keys of the cells listed, rotated by one angle per pair (an eviction moving them back), in place.
+__kernel void rerotate(__global KV_T *keys, __global const int *cells, __global const float *cos_,
+                       __global const float *sin_, int n_kv, int neox) {
+    int half_dim = HEAD_DIM / 2;
+    int i = get_global_id(0) % half_dim, head = get_global_id(0) / half_dim;  // head over cells * n_kv
+    size_t base = ((size_t)cells[head / n_kv] * n_kv + head % n_kv) * HEAD_DIM;
+    int2 ab = pair_of(i, neox);
+    float x0 = KV_LOAD(base + ab.x, keys), x1 = KV_LOAD(base + ab.y, keys);
+    KV_STORE(x0 * cos_[i] - x1 * sin_[i], base + ab.x, keys);
+    KV_STORE(x0 * sin_[i] + x1 * cos_[i], base + ab.y, keys);
+}
+
+// One query head (a work-item) over the cached keys of the sequence's positions, whose cells are listed in
+// order: the last step[0] of them within `window` (0: all), softmax(q . k) . v with the running maximum
+// rescaling the sums as it goes.
+__kernel void attention(__global const float *q, __global const KV_T *keys, __global const KV_T *values,
+                        __global const int *cells, __global const int *step, int n_kv, int window,
+                        __global float *out) {
+    int h = get_global_id(0);
+    int kv_head = h / (get_global_size(0) / n_kv);
+    int n = step[0];
+    int first = window ? max(0, n - window) : 0;
+    __global const float *query = q + h * HEAD_DIM;
+    float acc[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; i++)
+        acc[i] = 0.0f;
+    float best = -INFINITY, total = 0.0f;
+    for (int t = first; t < n; t++) {
+        size_t base = ((size_t)cells[t] * n_kv + kv_head) * HEAD_DIM;
+        float score = 0.0f;
+        for (int i = 0; i < HEAD_DIM; i++)
+            score += query[i] * KV_LOAD(base + i, keys);
+        float top = fmax(best, score);
+        float shrink = exp(best - top), weight = exp(score - top);
+        total = total * shrink + weight;
+        for (int i = 0; i < HEAD_DIM; i++)
+            acc[i] = acc[i] * shrink + weight * KV_LOAD(base + i, values);
+        best = top;
+    }
+    for (int i = 0; i < HEAD_DIM; i++)
+        out[h * HEAD_DIM + i] = acc[i] / total;
+}
+
+// gate_up = [gate | up], n_ff each: gate = act(gate) * up in place (SiLU, or GELU's tanh form, as
+// models/reference.py writes them).
+__kernel void silu_gate(__global float *gate_up, int n_ff) {
+    int i = get_global_id(0);
+    float g = gate_up[i];
+    gate_up[i] = g * (0.5f + 0.5f * tanh(0.5f * g)) * gate_up[n_ff + i];
+}
+
+__kernel void gelu_gate(__global float *gate_up, int n_ff) {
+    int i = get_global_id(0);
+    float g = gate_up[i];
+    gate_up[i] = 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g))) * gate_up[n_ff + i];
+}

@@ -1,0 +1,131 @@
+"""The OpenCL backend beyond the conformance suite (which it runs too), on a real OpenCL device (PoCL in CI):
+agreement on real weights over 512 tokens, the devices it lists and picks, and what it refuses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conformance_models import kld, top1
+from tiny_model import write_tiny_gguf
+
+from edgeinfer import BackendUnavailableError, Engine
+from edgeinfer.backends.base import BackendOptions, Span
+from edgeinfer.backends.reference import ReferenceBackend
+from edgeinfer.errors import BackendError, InvalidOptionError
+from edgeinfer.models.info import ModelInfo, load_model_info
+from edgeinfer.tokenizer import Tokenizer
+
+from support import load_script
+
+pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
+try:
+    from edgeinfer.backends.opencl.backend import OpenCLBackend
+    from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
+except BackendUnavailableError as exc:
+    pytest.skip(f"no OpenCL device here: {exc}", allow_module_level=True)
+
+TEXT = (Path(__file__).parent / "data" / "lighthouse.txt").read_text()
+
+
+def logits_of(cls: type, info: ModelInfo, tokens: list[int], kv_type: str) -> np.ndarray:
+    with closing(cls(info, BackendOptions(kv_tokens=len(tokens), kv_type=kv_type, threads=2))) as backend:
+        (rows,) = backend.eval([Span(0, 0, tokens, all_logits=True)])
+        return np.array(rows)
+
+
+@pytest.fixture(scope="module")
+def smollm2_copies(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
+    """SmolLM2 with every matrix as F32 and as Q8_0, 512 tokens of text, and the reference's logits of them."""
+    folder = tmp_path_factory.mktemp("smollm2-copies")
+    tokenizer = Tokenizer(model_path)
+    try:
+        tokens = (tokenizer.encode(TEXT) * 2)[:512]
+    finally:
+        tokenizer.close()
+    copies = {}
+    for kind in ("f32", "q8_0"):
+        path = folder / f"smollm2-{kind}.gguf"
+        load_script("dequantize_gguf").write_copy(load_model_info(model_path), path, kind)
+        info = load_model_info(path)
+        copies[kind] = (info, logits_of(ReferenceBackend, info, tokens, "f32"))
+    return tokens, copies
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_smollm2_agrees_with_the_reference_over_512_tokens(smollm2_copies, kind):
+    """Issue 18's bound on F32 and Q8_0 files: top-1 >= 99% and mean KLD <= 0.001 (the default f16 cache). The
+    kernels compute what the file holds in float32, as the reference does."""
+    tokens, copies = smollm2_copies
+    info, truth = copies[kind]
+    ours = logits_of(OpenCLBackend, info, tokens, "f16")
+    divergence, agree = kld(truth, ours), top1(truth, ours)
+    assert divergence <= 1e-3 and agree >= 0.99, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
+
+
+def test_every_device_is_listed_with_what_the_kernels_need():
+    devices = OpenCLBackend.devices()
+    assert devices[0].name == "cpu" and "default OpenCL device" in devices[0].description
+    for (device, _), listed in zip(opencl_devices(), devices[1:], strict=True):
+        assert listed.name == device.index and listed.total_bytes == device.global_bytes > 0
+        for part in (device.name, device.opencl_c, "compute units", "GiB global", "KiB local"):
+            assert part in listed.description
+        assert ("fp16" in listed.description) and ("subgroups" in listed.description)
+
+
+def test_a_device_is_picked_by_index_by_a_part_of_its_name_or_by_the_environment(monkeypatch):
+    first, _ = opencl_devices()[0]
+    assert choose_device(first.index)[0] == first
+    assert choose_device(first.name[3:12].upper())[0] == first  # any part, any case
+    monkeypatch.setenv(ENV, first.index)
+    assert choose_device(None)[0] == first
+    with pytest.raises(InvalidOptionError) as exc:
+        choose_device("no such device")
+    assert "\n" not in str(exc.value) and first.index in str(exc.value)
+
+
+def test_without_an_opencl_driver_it_cannot_load_and_says_what_to_install(model_path):
+    env = {**os.environ, "OCL_ICD_VENDORS": "/nonexistent"}  # the ICD loader then finds no driver
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", "hi", "--backend", "opencl", "--model", str(model_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "no OpenCL device" in done.stderr and "pocl-opencl-icd" in done.stderr
+
+
+def test_a_model_and_cache_too_large_for_the_device_are_refused_before_upload(tmp_path):
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    device, _ = choose_device(None)
+    tokens = device.global_bytes // int(OpenCLBackend.kv_bytes_per_token(info, "f32")) + 1
+    with pytest.raises(InvalidOptionError) as exc:
+        OpenCLBackend(info, BackendOptions(kv_tokens=tokens, kv_type="f32"))
+    message = str(exc.value)
+    assert "\n" not in message and "MiB" in message and device.name in message and "--kv-budget" in message
+
+
+def test_a_kernel_the_compiler_refuses_is_one_line_with_its_first_error(tmp_path):
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend, pytest.raises(BackendError) as exc:
+        backend._build("ops.cl", ["-DHEAD_DIM=not_a_number"])  # as a driver that miscompiles would fail
+    message = str(exc.value)
+    assert "\n" not in message and "ops.cl" in message and "error" in message.lower()
+
+
+def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
+    with Engine(model_path, backend="opencl", kv_budget="256tok", threads=2) as engine:
+        result = engine.chat([{"role": "user", "content": "Name three colours."}], max_tokens=12, seed=1)
+        assert result.tokens and result.finish_reason in ("stop", "length") and result.text.strip()
+        greedy = engine.generate("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True)
+        prompt = engine.tokenize("The capital of France is")
+        rows = engine.logits(prompt + greedy.tokens[:-1])[len(prompt) - 1 :]
+        # Each greedy token leads its row scored again, within 0.01: batched and one-token steps may round apart.
+        assert all(row[token] >= row.max() - 0.01 for row, token in zip(rows, greedy.tokens, strict=True))
