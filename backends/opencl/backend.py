@@ -44,6 +44,7 @@ KERNELS = Path(__file__).parent / "kernels"
 # The matrix types with a kernel of their own; a model with another is refused, naming it.
 MATVEC_TYPES = (QType.F32, QType.F16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
+ROWS_PER_ITEM = 4  # matvec.cl's ROWS
 
 
 @dataclass
@@ -349,8 +350,9 @@ class OpenCLBackend:
 
     def _matvec(self, matrix: _Matrix, x: cl.Buffer, y: cl.Buffer, bias: cl.Buffer | None, at: int) -> Launch:
         """``y[at:at + n] = W x (+ bias)``."""
-        name = f"matvec_{matrix.type.name.lower()}"
-        return self._launch("matvec.cl", name, matrix.n, *matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at))
+        name, items = f"matvec_{matrix.type.name.lower()}", -(-matrix.n // ROWS_PER_ITEM)
+        args = (*matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n))
+        return self._launch("matvec.cl", name, items, *args)
 
     def _upload_matrix(self, tensors: GGUFTensors, names: list[str]) -> _Matrix:
         """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads."""

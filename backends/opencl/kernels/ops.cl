@@ -9,12 +9,15 @@
 #ifdef KV_HALF
 #define KV_T half
 #define KV_LOAD(i, p) vload_half((i), (p))
+#define KV_LOAD8(i, p) vload_half8((i), (p))
 #define KV_STORE(v, i, p) vstore_half((v), (i), (p))
 #else
 #define KV_T float
 #define KV_LOAD(i, p) ((p)[i])
+#define KV_LOAD8(i, p) vload8((i), (p))
 #define KV_STORE(v, i, p) ((p)[i] = (v))
 #endif
+#define CHUNKS (HEAD_DIM / 8)  // a head's values as float8s: every head_dim the models use is a multiple of 8
 
 // y = x / rms(x) * w for each of the rows (work-items) of n values from x + at; y may be x.
 __kernel void rms_norm(__global float *x, __global const float *w, __global float *y, int n, float eps, int at) {
@@ -86,7 +89,7 @@ __kernel void rerotate(__global KV_T *keys, __global const int *cells, __global 
 
 // One query head (a work-item) over the cached keys of the sequence's positions, whose cells are listed in
 // order: the last step[0] of them within `window` (0: all), softmax(q . k) . v with the running maximum
-// rescaling the sums as it goes.
+// rescaling the sums as it goes. Eight values a load.
 __kernel void attention(__global const float *q, __global const KV_T *keys, __global const KV_T *values,
                         __global const int *cells, __global const int *step, int n_kv, int window,
                         __global float *out) {
@@ -94,25 +97,28 @@ __kernel void attention(__global const float *q, __global const KV_T *keys, __gl
     int kv_head = h / (get_global_size(0) / n_kv);
     int n = step[0];
     int first = window ? max(0, n - window) : 0;
-    __global const float *query = q + h * HEAD_DIM;
-    float acc[HEAD_DIM];
-    for (int i = 0; i < HEAD_DIM; i++)
-        acc[i] = 0.0f;
+    float8 query[CHUNKS], acc[CHUNKS];
+    for (int c = 0; c < CHUNKS; c++) {
+        query[c] = vload8(h * CHUNKS + c, q);
+        acc[c] = 0.0f;
+    }
     float best = -INFINITY, total = 0.0f;
     for (int t = first; t < n; t++) {
-        size_t base = ((size_t)cells[t] * n_kv + kv_head) * HEAD_DIM;
-        float score = 0.0f;
-        for (int i = 0; i < HEAD_DIM; i++)
-            score += query[i] * KV_LOAD(base + i, keys);
+        size_t base = ((size_t)cells[t] * n_kv + kv_head) * CHUNKS;  // in float8s
+        float8 products = 0.0f;
+        for (int c = 0; c < CHUNKS; c++)
+            products += query[c] * KV_LOAD8(base + c, keys);
+        float score = products.s0 + products.s1 + products.s2 + products.s3 + products.s4 + products.s5
+                    + products.s6 + products.s7;
         float top = fmax(best, score);
         float shrink = exp(best - top), weight = exp(score - top);
         total = total * shrink + weight;
-        for (int i = 0; i < HEAD_DIM; i++)
-            acc[i] = acc[i] * shrink + weight * KV_LOAD(base + i, values);
+        for (int c = 0; c < CHUNKS; c++)
+            acc[c] = acc[c] * shrink + weight * KV_LOAD8(base + c, values);
         best = top;
     }
-    for (int i = 0; i < HEAD_DIM; i++)
-        out[h * HEAD_DIM + i] = acc[i] / total;
+    for (int c = 0; c < CHUNKS; c++)
+        vstore8(acc[c] / total, h * CHUNKS + c, out);
 }
 
 // gate_up = [gate | up], n_ff each: gate = act(gate) * up in place (SiLU, or GELU's tanh form, as
