@@ -14,6 +14,7 @@ and Q6_K kernels, a device-side argmax, and an autotune of work-group sizes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +43,17 @@ if not opencl_devices():  # as a backend whose library is missing: it cannot loa
 
 KERNELS = Path(__file__).parent / "kernels"
 # The matrix types with a kernel of their own; a model with another is refused, naming it.
-MATVEC_TYPES = (QType.F32, QType.F16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
+MATVEC_TYPES = (QType.F32, QType.F16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q6_K)
+# Where each type's block splits into the flat layout's buffers (byte offsets within a block), in the order the
+# kernel takes them; F32 and F16 go up as they are.
+FLAT_PARTS: dict[QType, tuple[int, ...]] = {
+    QType.Q4_0: (0, 2),  # d | codes
+    QType.Q4_1: (0, 2, 4),  # d | m | codes
+    QType.Q5_0: (0, 2, 6),  # d | fifth bits | codes
+    QType.Q8_0: (0, 2),  # d | codes
+    QType.Q4_K: (0, 2, 4, 16),  # d | dmin | 6-bit scales and minimums | codes
+    QType.Q6_K: (0, 128, 192, 208),  # low 4 bits | high 2 bits | scales | d
+}
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
 ROWS_PER_ITEM = 4  # matvec.cl's ROWS
 
@@ -359,15 +370,11 @@ class OpenCLBackend:
         first = tensors[names[0]]
         raw = np.concatenate([tensors.raw(name) for name in names]) if len(names) > 1 else tensors.raw(names[0])
         n, k = raw.shape[0], first.shape[0]
-        if first.type in (QType.F32, QType.F16):
-            buffers: tuple[cl.Buffer, ...] = (self._buffer(raw),)
-        else:
-            blocks = raw.reshape(n, k // 32, -1)
-            if first.type == QType.Q4_1:
-                parts = (blocks[..., :2], blocks[..., 2:4], blocks[..., 4:])  # d, m, codes
-            else:
-                parts = (blocks[..., :2], blocks[..., 2:])  # d, codes
-            buffers = tuple(self._buffer(part) for part in parts)
+        if first.type not in FLAT_PARTS:
+            return _Matrix(first.type, (self._buffer(raw),), n, k)
+        blocks = raw.reshape(n, first.blocks_per_row, -1)
+        cuts = (*FLAT_PARTS[first.type], blocks.shape[-1])
+        buffers = tuple(self._buffer(blocks[..., a:b]) for a, b in itertools.pairwise(cuts))
         return _Matrix(first.type, buffers, n, k)
 
     def _angles_for(self, layer: int, position: int) -> tuple[cl.Buffer, cl.Buffer]:

@@ -104,3 +104,91 @@ __kernel void matvec_q8_0(__global const half *d, __global const char *q, __glob
     }
     FOR_ROWS(Q8_0_END)
 }
+
+// Q5_0: value = (q - 16) * d, q's low 4 bits packed as Q4_0's and its fifth bits in a 32-bit word a block
+// (bit j for element j).
+__kernel void matvec_q5_0(__global const half *d, __global const uint *high, __global const uchar *q,
+                          __global const float *x, __global float *y, __global const float *bias, int k, int at,
+                          int n) {
+    const uint16 shifts = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#define Q5_0_STEP(j) {                                                                                      \
+        uchar16 c = vload16(f##j + b, q);                                                                   \
+        uint h = high[f##j + b];                                                                            \
+        float16 low = LOW(c) + 16.0f * convert_float16(((uint16)h >> shifts) & 1u) - 16.0f;                         \
+        float16 upper = HIGH(c) + 16.0f * convert_float16(((uint16)h >> (shifts + 16u)) & 1u) - 16.0f;             \
+        a##j += vload_half(f##j + b, d) * (low * xl + upper * xh); }
+    FOR_ROWS(BLOCKS_START)
+    for (int b = 0; b < k / 32; b++) {
+        float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);
+        FOR_ROWS(Q5_0_STEP)
+    }
+    FOR_ROWS(Q8_0_END)
+}
+
+// K-quants: super-blocks of 256 elements.
+#define SUPER_START(j) size_t s##j = ROW(j) * (size_t)(k / 256); float16 a##j = 0.0f; float m##j = 0.0f;
+#define SUPER_END(j) PUT(j, sum16(a##j) - m##j)
+
+// Q4_K: eight blocks of 32, block i's value d * sc_i * q - dmin * m_i, sc_i and m_i 6-bit, packed in 12 bytes
+// (gguf-py's Q4_K.get_scale_min); codes in 32-byte groups, the low nibbles one block, the high the next.
+int2 q4_k_scale_min(__global const uchar *s, int i) {
+    return i < 4 ? (int2)(s[i] & 63, s[i + 4] & 63)
+                 : (int2)((s[i + 4] & 15) | ((s[i - 4] >> 6) << 4), (s[i + 4] >> 4) | ((s[i] >> 6) << 4));
+}
+
+__kernel void matvec_q4_k(__global const half *d, __global const half *dmin, __global const uchar *scales,
+                          __global const uchar *q, __global const float *x, __global float *y,
+                          __global const float *bias, int k, int at, int n) {
+#define Q4_K_STEP(j) {                                                                                      \
+        __global const uchar *sc = scales + (s##j + b) * 12;                                                \
+        float dd = vload_half(s##j + b, d), dm = vload_half(s##j + b, dmin);                                \
+        for (int g = 0; g < 4; g++) {                                                                       \
+            int2 lo = q4_k_scale_min(sc, 2 * g), hi = q4_k_scale_min(sc, 2 * g + 1);                       \
+            uchar16 c0 = vload16(0, q + (s##j + b) * 128 + g * 32), c1 = vload16(0, q + (s##j + b) * 128 + g * 32 + 16); \
+            a##j += dd * lo.x * (LOW(c0) * xs[4 * g] + LOW(c1) * xs[4 * g + 1])                            \
+                  + dd * hi.x * (HIGH(c0) * xs[4 * g + 2] + HIGH(c1) * xs[4 * g + 3]);                     \
+            m##j += dm * (lo.y * sums[2 * g] + hi.y * sums[2 * g + 1]);                                     \
+        } }
+    FOR_ROWS(SUPER_START)
+    for (int b = 0; b < k / 256; b++) {
+        float16 xs[16];
+        float sums[8];
+        for (int i = 0; i < 16; i++)
+            xs[i] = vload16(0, x + b * 256 + i * 16);
+        for (int i = 0; i < 8; i++)
+            sums[i] = sum16(xs[2 * i] + xs[2 * i + 1]);
+        FOR_ROWS(Q4_K_STEP)
+    }
+    FOR_ROWS(SUPER_END)
+}
+
+// Q6_K: sixteen blocks of 16, value d * sc * (q - 32), sc signed 8-bit; q's low 4 bits in ql, high 2 in qh.
+// Element 128h + 32s + i (h: half, s: quarter, i < 32): ql byte 64h + 32(s % 2) + i, its low nibble for
+// s < 2 and high one after; qh byte 32h + i, bits 2s and 2s + 1.
+__kernel void matvec_q6_k(__global const uchar *ql, __global const uchar *qh, __global const char *scales,
+                          __global const half *d, __global const float *x, __global float *y,
+                          __global const float *bias, int k, int at, int n) {
+#define Q6_K_STEP(j) {                                                                                      \
+        size_t sb = s##j + b;                                                                               \
+        float dd = vload_half(sb, d);                                                                       \
+        for (int h = 0; h < 2; h++)                                                                         \
+            for (int s = 0; s < 4; s++)                                                                     \
+                for (int i0 = 0; i0 < 32; i0 += 16) {                                                       \
+                    uchar16 low = vload16(0, ql + sb * 128 + 64 * h + 32 * (s % 2) + i0);                  \
+                    uchar16 top = vload16(0, qh + sb * 64 + 32 * h + i0);                                   \
+                    uchar16 nib = s < 2 ? low & (uchar16)0xF : low >> (uchar16)4;                          \
+                    uchar16 code = nib | (((top >> (uchar16)(2 * s)) & (uchar16)3) << (uchar16)4);         \
+                    float scale = dd * scales[sb * 16 + 8 * h + 2 * s + i0 / 16];                          \
+                    a##j += scale * (convert_float16(code) - 32.0f) * xs[8 * h + 2 * s + i0 / 16];          \
+                } }
+    size_t s0 = ROW(0) * (size_t)(k / 256), s1 = ROW(1) * (size_t)(k / 256);
+    size_t s2 = ROW(2) * (size_t)(k / 256), s3 = ROW(3) * (size_t)(k / 256);
+    float16 a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int b = 0; b < k / 256; b++) {
+        float16 xs[16];
+        for (int i = 0; i < 16; i++)
+            xs[i] = vload16(0, x + b * 256 + i * 16);
+        FOR_ROWS(Q6_K_STEP)
+    }
+    FOR_ROWS(Q8_0_END)
+}
