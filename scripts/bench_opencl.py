@@ -1,7 +1,7 @@
 """The OpenCL backend's matrix-vector kernels against what the device can stream: GB/s, side by side.
 
 Times a plain copy kernel (float4 loads and stores over 256 MiB) and each type's decode product
-(``backends/opencl/kernels/matvec.cl``) on a 16384x8192 matrix in the layout the backend uploads,
+(``backends/opencl/kernels/products.cl``) on a 16384x8192 matrix in the layout the backend uploads,
 by the device's own event timestamps, and prints each product's bytes read per second as a share
 of the copy's (bytes read and written).
 
@@ -85,7 +85,7 @@ def main() -> None:
     stream = 2 * size / timed(queue, copy, size // 16, args.calls)
     print(f"{info.index} {info.name}: copy {stream / 1e9:.1f} GB/s (read and written)")
 
-    program = cl.Program(context, (Path(KERNELS) / "matvec.cl").read_text()).build()
+    program = cl.Program(context, (Path(KERNELS) / "products.cl").read_text()).build()
     x = cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=rng.random(K, dtype=np.float32))
     y = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, N * 4)
     for kind, block in BLOCK_BYTES.items():

@@ -1,14 +1,16 @@
 """The OpenCL backend: the GGUF's own blocks on any OpenCL 1.2 device, with kernels of our own (``kernels/``).
 
 Weights are uploaded once, the quantized ones in the flat layout the kernels read (scales apart
-from codes). Each token runs as a chain of kernels: ``matvec.cl`` for every product, ``ops.cl``
+from codes). Each chunk of tokens runs as a chain of kernels: ``products.cl`` for every product, ``ops.cl``
 for norms, RoPE, the KV cache and attention. Only the logits row comes back. The KV cache lives in
 device buffers, f16 or f32, in cells that sequences share as llama.cpp's unified cache shares them
 (``backends/cells.py``): a copied prefix shares its cells, and an eviction re-rotates the kept keys
 on the device. The embedding rows are dequantized on the host, from the mapped file.
 
-Not yet here: a tiled matrix-matrix product for prefill (a prompt runs a token at a time), Q4_K
-and Q6_K kernels, a device-side argmax, and an autotune of work-group sizes.
+A prompt runs in chunks of ``batch_size`` tokens: each matrix is dequantized to float32 into one scratch
+buffer and multiplied by the chunk's rows in tiles (``gemm``); a token being decoded runs matrix-vector
+kernels on the blocks themselves. Not yet here: a device-side argmax, an autotune of work-group sizes,
+and kernels for Q2_K, Q3_K, Q5_1, Q5_K and the IQ types.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ FLAT_PARTS: dict[QType, tuple[int, ...]] = {
     QType.Q6_K: (0, 128, 192, 208),  # low 4 bits | high 2 bits | scales | d
 }
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
-ROWS_PER_ITEM = 4  # matvec.cl's ROWS
+ROWS_PER_ITEM = 4  # products.cl's ROWS
+GEMM_TOKENS_ARG = 6  # the index of gemm's `tokens` argument
+# Elements a dequantize_<type> work-item writes: a block, a K-quant's super-block, or (F16) one value.
+DEQUANTIZED_PER_ITEM = {QType.F16: 1, QType.Q4_K: 256, QType.Q6_K: 256}
 
 
 @dataclass
@@ -70,15 +75,36 @@ class _Matrix:
 
 @dataclass(frozen=True)
 class Launch:
-    """A kernel with its arguments set, and its global size. The arguments are kept too: a kernel holds no
-    reference to its buffers, which Python would otherwise free under it."""
+    """A kernel with its arguments set, run over ``size`` work-items for each of a chunk's tokens. The arguments
+    are kept too: a kernel holds no reference to its buffers, which Python would otherwise free under it."""
 
     kernel: cl.Kernel
-    size: tuple[int]
+    size: int
     args: tuple[object, ...]
 
-    def enqueue(self, queue: cl.CommandQueue) -> None:
-        cl.enqueue_nd_range_kernel(queue, self.kernel, self.size, None)
+    def enqueue(self, queue: cl.CommandQueue, tokens: int = 1) -> None:
+        cl.enqueue_nd_range_kernel(queue, self.kernel, (self.size, tokens), None)
+
+
+@dataclass(frozen=True)
+class Product:
+    """One planned product: for one token a matrix-vector kernel on the blocks, for several the matrix
+    dequantized to float32 (unless it is float32) and multiplied in tiles."""
+
+    one: Launch
+    dequantize: Launch | None
+    gemm: cl.Kernel  # its arguments set but the token count, which a chunk sets
+    n: int
+    args: tuple[object, ...]
+
+    def enqueue(self, queue: cl.CommandQueue, tokens: int = 1) -> None:
+        if tokens == 1:
+            self.one.enqueue(queue)
+            return
+        if self.dequantize is not None:
+            self.dequantize.enqueue(queue)
+        self.gemm.set_arg(GEMM_TOKENS_ARG, np.int32(tokens))
+        cl.enqueue_nd_range_kernel(queue, self.gemm, (-(-self.n // 4), -(-tokens // 4)), None)
 
 
 class OpenCLBackend:
@@ -124,7 +150,7 @@ class OpenCLBackend:
     def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
         weights = _uploaded_bytes(info)
         kv = int(options.kv_tokens * cls.kv_bytes_per_token(info, options.kv_type))
-        overhead = BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+        overhead = BASE_OVERHEAD_BYTES + compute_bytes(info, options) + _scratch_bytes(info, options)
         device, _ = choose_device(None if options.device == CPU else options.device)
         if not device.gpu:  # a CPU device's buffers are host memory
             return MemoryNeed(weights=weights, kv=kv, overhead=overhead)
@@ -145,7 +171,8 @@ class OpenCLBackend:
         hp = self._hp = info.hparams
         self._n_vocab = hp.n_vocab
         self.device, cl_device = choose_device(None if options.device == CPU else options.device)
-        need = _uploaded_bytes(info) + int(options.kv_tokens * self.kv_bytes_per_token(info, options.kv_type))
+        kv = int(options.kv_tokens * self.kv_bytes_per_token(info, options.kv_type))
+        need = _uploaded_bytes(info) + kv + _scratch_bytes(info, options)
         if need > self.device.global_bytes:
             raise InvalidOptionError(
                 f"{info.path.name} needs {need / 2**20:.0f} MiB on {self.device.name}, which has "
@@ -164,7 +191,7 @@ class OpenCLBackend:
         self._context = cl.Context([cl_device])
         self._queue = cl.CommandQueue(self._context)
         defines = [f"-DHEAD_DIM={hp.head_dim}"] + (["-DKV_HALF"] if options.kv_type == "f16" else [])
-        self._programs = {name: self._build(name, defines) for name in ("matvec.cl", "ops.cl")}
+        self._programs = {name: self._build(name, defines) for name in ("products.cl", "ops.cl")}
         tensors = self._stack.enter_context(open_tensors(info))
         embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
         self._embedding, self._embedding_type = tensors.raw(embedding), tensors[embedding].type
@@ -173,88 +200,100 @@ class OpenCLBackend:
         itemsize = np.dtype(_KV_DTYPES[options.kv_type]).itemsize
         cache_bytes = options.kv_tokens * hp.kv_dim * itemsize
         self._cache = [(self._scratch(cache_bytes), self._scratch(cache_bytes)) for _ in range(hp.n_layer)]
-        f = 4  # bytes of a float32
-        self._x, self._h, self._out = (self._scratch(hp.n_embd * f) for _ in range(3))
-        self._qkv = self._scratch((hp.q_dim + 2 * hp.kv_dim) * f)
-        self._attended = self._scratch(hp.q_dim * f)
-        self._gate_up = self._scratch(2 * hp.n_ff * f)
+        f, rows = 4, options.batch_size  # bytes of a float32; tokens a chunk holds
+        self._rows = rows
+        self._x, self._h, self._out = (self._scratch(rows * hp.n_embd * f) for _ in range(3))
+        self._qkv_dim = hp.q_dim + 2 * hp.kv_dim
+        self._qkv = self._scratch(rows * self._qkv_dim * f)
+        self._attended = self._scratch(rows * hp.q_dim * f)
+        self._gate_up = self._scratch(rows * 2 * hp.n_ff * f)
+        self._last = self._scratch(hp.n_embd * f)  # the normed row the head multiplies
         self._logits = self._scratch(hp.n_vocab * f)
         self._cells = self._scratch(options.kv_tokens * 4)
-        self._step_values = self._scratch(2 * 4)  # positions held with this token, and its cell
-        half = hp.head_dim // 2 * f
+        self._start = self._scratch(4)  # the chunk's first position
+        self._dequantized = self._scratch(4 * _largest_matrix(info))
+        half = rows * hp.head_dim // 2 * f
         self._angles = {hp.layer_rope_base(layer): (self._scratch(half), self._scratch(half))
-                        for layer in range(hp.n_layer)}  # fmt: skip  # cos, sin
-        self._body, self._tail = self._plan(tensors)
+                        for layer in range(hp.n_layer)}  # fmt: skip  # cos, sin: a row a token
+        self._body, self._tail, self._head = self._plan(tensors)
 
-    def _plan(self, tensors: GGUFTensors) -> tuple[list[Launch], list[Launch]]:
-        """Every kernel of a step with its arguments set, weights uploaded as it goes: the layers, then the final
-        norm and the head (run only for a token whose logits are wanted)."""
+    def _plan(self, tensors: GGUFTensors) -> tuple[list[Launch | Product], Launch, Product]:
+        """Every kernel of a chunk with its arguments set, weights uploaded as it goes: the layers; the last
+        residual add with the final norm; the head (run for each token whose logits are wanted)."""
         hp, arch = self._hp, self._hp.arch
-        eps, neox = np.float32(hp.rms_eps), np.int32(arch.rope_style == "neox")
+        eps, neox, qkv_dim = np.float32(hp.rms_eps), np.int32(arch.rope_style == "neox"), self._qkv_dim
 
         def vector(name: str) -> cl.Buffer:
             return self._buffer(tensors.dequantize(name).astype(np.float32).reshape(-1))
 
-        def norm(x: cl.Buffer, name: str, y: cl.Buffer, heads: int = 0, at: int = 0) -> Launch:
-            """RMSNorm of the model's width, or of each of ``heads`` heads from ``at`` (Q/K norms)."""
+        def norm(x: cl.Buffer, name: str, y: cl.Buffer, heads: int = 0, at: int = 0, stride: int = 0) -> Launch:
+            """RMSNorm of the model's width, or of each of ``heads`` heads from ``at`` (Q/K norms), a token's row
+            ``stride`` values from the next."""
             rows, width = (heads, hp.head_dim) if heads else (1, hp.n_embd)
-            return self._launch("ops.cl", "rms_norm", rows, x, vector(name), y, np.int32(width), eps, np.int32(at))
+            args = (x, vector(name), y, np.int32(width), eps, np.int32(at), np.int32(stride or hp.n_embd))
+            return self._launch("ops.cl", "rms_norm", rows, *args)
 
         def add_norm(y: cl.Buffer, name: str) -> Launch:
             return self._launch("ops.cl", "add_norm", 1, self._x, y, vector(name), self._h, np.int32(hp.n_embd), eps)
 
-        def products(kinds: list[MODEL_TENSOR], layer: int, x: cl.Buffer, y: cl.Buffer, biased: bool) -> list[Launch]:
-            """``y = [W1 x | W2 x | ...]``: one kernel where the matrices share a type, else one each."""
+        def products(
+            kinds: list[MODEL_TENSOR], layer: int, x: tuple[cl.Buffer, int], y: tuple[cl.Buffer, int], biased: bool
+        ) -> list[Product]:
+            """``y = [W1 x | W2 x | ...]`` for each token's row of x and of y (buffer, row length): one product
+            where the matrices share a type, else one each."""
             names = [tensor_name(kind, layer) for kind in kinds]
             biases = [tensor_name(kind, layer, "bias") for kind in kinds] if biased else []
             if len({tensors[name].type for name in names}) == 1:
                 groups = [(names, biases)]
             else:
                 groups = [([name], [bias] if biased else []) for name, bias in zip(names, biases or names, strict=True)]
-            launches, at = [], 0
+            planned, at = [], 0
             for group, group_biases in groups:
                 matrix = self._upload_matrix(tensors, group)
                 bias = self._buffer(np.concatenate([tensors.dequantize(b) for b in group_biases])) if biased else None
-                launches.append(self._matvec(matrix, x, y, bias, at))
+                planned.append(self._product(matrix, x, y, bias, at))
                 at += matrix.n
-            return launches
+            return planned
 
-        body = [norm(self._x, tensor_name(MODEL_TENSOR.ATTN_NORM, 0), self._h)]
+        h, out, qkv = (self._h, hp.n_embd), (self._out, hp.n_embd), (self._qkv, qkv_dim)
+        body: list[Launch | Product] = [norm(self._x, tensor_name(MODEL_TENSOR.ATTN_NORM, 0), self._h)]
         for layer in range(hp.n_layer):
             keys, values = self._cache[layer]
             cos, sin = self._angles[hp.layer_rope_base(layer)]
-            qkv = [MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V]
-            body += products(qkv, layer, self._h, self._qkv, arch.qkv_bias)
+            attention = [MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V]
+            body += products(attention, layer, h, qkv, arch.qkv_bias)
             if arch.qk_norm:
-                body.append(norm(self._qkv, tensor_name(MODEL_TENSOR.ATTN_Q_NORM, layer), self._qkv, hp.n_head))
-                k_norm = tensor_name(MODEL_TENSOR.ATTN_K_NORM, layer)
-                body.append(norm(self._qkv, k_norm, self._qkv, hp.n_head_kv, at=hp.q_dim))
+                q_norm, k_norm = (
+                    tensor_name(MODEL_TENSOR.ATTN_Q_NORM, layer),
+                    tensor_name(MODEL_TENSOR.ATTN_K_NORM, layer),
+                )
+                body.append(norm(self._qkv, q_norm, self._qkv, hp.n_head, stride=qkv_dim))
+                body.append(norm(self._qkv, k_norm, self._qkv, hp.n_head_kv, at=hp.q_dim, stride=qkv_dim))
             body.append(self._launch(
                 "ops.cl", "rope_store", (hp.n_head + hp.n_head_kv) * hp.head_dim // 2, self._qkv, cos, sin, keys,
-                values, self._step_values, np.int32(hp.n_head), np.int32(hp.n_head_kv), neox,
+                values, self._cells, self._start, np.int32(hp.n_head), np.int32(hp.n_head_kv), neox,
                 np.float32(self._rotary.attn_scale),
             ))  # fmt: skip
             body.append(self._launch(
-                "ops.cl", "attention", hp.n_head, self._qkv, keys, values, self._cells, self._step_values,
+                "ops.cl", "attention", hp.n_head, self._qkv, keys, values, self._cells, self._start,
                 np.int32(hp.n_head_kv), np.int32(hp.window(layer)), self._attended,
             ))  # fmt: skip
-            body += products([MODEL_TENSOR.ATTN_OUT], layer, self._attended, self._out, False)
+            body += products([MODEL_TENSOR.ATTN_OUT], layer, (self._attended, hp.q_dim), out, False)
             if arch.post_norms:
                 body.append(norm(self._out, tensor_name(MODEL_TENSOR.ATTN_POST_NORM, layer), self._out))
             body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.FFN_NORM, layer)))
-            body += products([MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP], layer, self._h, self._gate_up, False)
+            gate_up = (self._gate_up, 2 * hp.n_ff)
+            body += products([MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP], layer, h, gate_up, False)
             body.append(self._launch("ops.cl", f"{arch.ffn_act}_gate", hp.n_ff, self._gate_up, np.int32(hp.n_ff)))
-            body += products([MODEL_TENSOR.FFN_DOWN], layer, self._gate_up, self._out, False)
+            body += products([MODEL_TENSOR.FFN_DOWN], layer, gate_up, out, False)  # the gate half of each row
             if arch.post_norms:
                 body.append(norm(self._out, tensor_name(MODEL_TENSOR.FFN_POST_NORM, layer), self._out))
             if layer + 1 < hp.n_layer:
                 body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.ATTN_NORM, layer + 1)))
-        head = MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT
-        tail = [
-            add_norm(self._out, tensor_name(MODEL_TENSOR.OUTPUT_NORM)),
-            self._matvec(self._upload_matrix(tensors, [tensor_name(head)]), self._h, self._logits, None, 0),
-        ]
-        return body, tail
+        head = tensor_name(MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT)
+        head_product = self._product(self._upload_matrix(tensors, [head]), (self._last, hp.n_embd),
+                                     (self._logits, hp.n_vocab), None, 0, gemm=False)  # fmt: skip
+        return body, add_norm(self._out, tensor_name(MODEL_TENSOR.OUTPUT_NORM)), head_product
 
     # -- contract -----------------------------------------------------------------------------------
 
@@ -285,13 +324,13 @@ class OpenCLBackend:
         out = []
         try:
             for span in spans:
-                held = np.asarray(self._pool.cells(span.seq), np.int32)
-                cl.enqueue_copy(self._queue, self._cells, held)
+                cl.enqueue_copy(self._queue, self._cells, np.asarray(self._pool.cells(span.seq), np.int32))
                 rows = []
-                for i, token in enumerate(span.tokens):
-                    last = i == len(span.tokens) - 1
-                    position = span.start + i
-                    rows.append(self._step(token, position, held[position], logits=span.all_logits or last))
+                for first in range(0, len(span.tokens), self._rows):
+                    chunk = span.tokens[first : first + self._rows]
+                    last = first + len(chunk) == len(span.tokens)
+                    wanted = range(len(chunk)) if span.all_logits else [len(chunk) - 1] if last else []
+                    rows += self._run(chunk, span.start + first, wanted)
                 out.append(np.stack(rows) if span.all_logits else rows[-1])
         except cl.Error as exc:
             for span in spans:  # a failed evaluation changes nothing
@@ -317,7 +356,7 @@ class OpenCLBackend:
         # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
         neox = np.int32(hp.arch.rope_style == "neox")
         for layer in range(hp.n_layer):
-            cos, sin = self._angles_for(layer, start - end)
+            cos, sin = self._upload_angles(layer, np.array([start - end]))
             self._launch(
                 "ops.cl", "rerotate", len(kept) * hp.n_head_kv * hp.head_dim // 2,
                 self._cache[layer][0], self._cells, cos, sin, np.int32(hp.n_head_kv), neox,
@@ -333,7 +372,7 @@ class OpenCLBackend:
             return
         self._closed = True
         self._queue.finish()
-        self._body, self._tail, self._cache = [], [], []  # the device buffers, let go
+        self._body, self._cache = [], []  # the device buffers, let go
         self._stack.close()
 
     # -- inside -------------------------------------------------------------------------------------
@@ -357,13 +396,34 @@ class OpenCLBackend:
     def _launch(self, program: str, name: str, size: int, *args: object) -> Launch:
         kernel = cl.Kernel(self._programs[program], name)
         kernel.set_args(*args)
-        return Launch(kernel, (size,), args)
+        return Launch(kernel, int(size), args)
 
-    def _matvec(self, matrix: _Matrix, x: cl.Buffer, y: cl.Buffer, bias: cl.Buffer | None, at: int) -> Launch:
-        """``y[at:at + n] = W x (+ bias)``."""
-        name, items = f"matvec_{matrix.type.name.lower()}", -(-matrix.n // ROWS_PER_ITEM)
-        args = (*matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n))
-        return self._launch("matvec.cl", name, items, *args)
+    def _product(
+        self,
+        matrix: _Matrix,
+        x: tuple[cl.Buffer, int],
+        y: tuple[cl.Buffer, int],
+        bias: cl.Buffer | None,
+        at: int,
+        *,
+        gemm: bool = True,
+    ) -> Product:
+        """``y[t][at:at + n] = W x[t] (+ bias)`` for each token t's row of x and y (buffer, row length)."""
+        kind = matrix.type.name.lower()
+        one = self._launch("products.cl", f"matvec_{kind}", -(-matrix.n // ROWS_PER_ITEM), *matrix.buffers, x[0],
+                           y[0], bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n))  # fmt: skip
+        if not gemm:  # the head: a chunk's logits are wanted a row at a time
+            return Product(one, None, one.kernel, matrix.n, one.args)
+        dequantize, weights = None, matrix.buffers[0]
+        if matrix.type != QType.F32:
+            items = matrix.n * matrix.k // DEQUANTIZED_PER_ITEM.get(matrix.type, 32)
+            dequantize = self._launch("products.cl", f"dequantize_{kind}", items, *matrix.buffers, self._dequantized)
+            weights = self._dequantized
+        args = (weights, x[0], y[0], bias, np.int32(matrix.k), np.int32(matrix.n), np.int32(1), np.int32(x[1]),
+                np.int32(y[1]), np.int32(at))  # fmt: skip
+        gemm_kernel = cl.Kernel(self._programs["products.cl"], "gemm")
+        gemm_kernel.set_args(*args)
+        return Product(one, dequantize, gemm_kernel, matrix.n, args)
 
     def _upload_matrix(self, tensors: GGUFTensors, names: list[str]) -> _Matrix:
         """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads."""
@@ -377,37 +437,42 @@ class OpenCLBackend:
         buffers = tuple(self._buffer(blocks[..., a:b]) for a, b in itertools.pairwise(cuts))
         return _Matrix(first.type, buffers, n, k)
 
-    def _angles_for(self, layer: int, position: int) -> tuple[cl.Buffer, cl.Buffer]:
-        """cos and sin of ``layer``'s RoPE angles at ``position``, uploaded to the buffers of its base."""
-        angles = position * self._rotary.inv_freq[layer]  # float64, as the reference computes them
+    def _upload_angles(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
+        """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), into the buffers of its base."""
+        angles = np.asarray(positions, np.float64)[:, None] * self._rotary.inv_freq[layer]  # as the reference
         cos, sin = self._angles[self._hp.layer_rope_base(layer)]
         cl.enqueue_copy(self._queue, cos, np.cos(angles).astype(np.float32))
         cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
         return cos, sin
 
-    def _step(self, token: int, position: int, cell: int, *, logits: bool) -> np.ndarray | None:
-        """One token through every layer, its keys and values into ``cell``; its logits if asked for."""
-        hp, queue = self._hp, self._queue
-        x = dequantize(self._embedding[token : token + 1], self._embedding_type).reshape(-1)
+    def _run(self, tokens: Sequence[int], start: int, wanted: Sequence[int]) -> list[np.ndarray]:
+        """A chunk of one sequence's tokens from position ``start``, its keys and values into their cells (the
+        sequence's cells, uploaded); the logits of the tokens ``wanted`` (indices into the chunk)."""
+        hp, queue, n = self._hp, self._queue, len(tokens)
+        x = dequantize(self._embedding[np.asarray(tokens)], self._embedding_type).reshape(n, hp.n_embd)
         if hp.arch.embed_scale:
             x = x * np.float32(math.sqrt(hp.n_embd))
         cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32))
-        cl.enqueue_copy(queue, self._step_values, np.array([position + 1, cell], np.int32))
-        done = set()
-        for layer in range(hp.n_layer):  # each RoPE base's angles, once
-            if hp.layer_rope_base(layer) not in done:
-                done.add(hp.layer_rope_base(layer))
-                self._angles_for(layer, position)
-        for launch in self._body + (self._tail if logits else []):
-            launch.enqueue(queue)
-        if not logits:
-            return None
-        row = np.empty(hp.n_vocab, np.float32)
-        cl.enqueue_copy(queue, row, self._logits)  # blocking: the row is the step's one result
-        if hp.logit_softcap:
-            cap = np.float32(hp.logit_softcap)
-            row = cap * np.tanh(row / cap)
-        return row
+        cl.enqueue_copy(queue, self._start, np.array([start], np.int32))
+        positions = np.arange(start, start + n)
+        for layer in {hp.layer_rope_base(layer): layer for layer in range(hp.n_layer)}.values():  # a layer a base
+            self._upload_angles(layer, positions)
+        for planned in self._body:
+            planned.enqueue(queue, n)
+        if not wanted:
+            return []
+        self._tail.enqueue(queue, n)
+        rows = []
+        for t in wanted:
+            cl.enqueue_copy(queue, self._last, self._h, src_offset=4 * t * hp.n_embd, byte_count=4 * hp.n_embd)
+            self._head.enqueue(queue)
+            row = np.empty(hp.n_vocab, np.float32)
+            cl.enqueue_copy(queue, row, self._logits)  # blocking: the row is the chunk's result
+            if hp.logit_softcap:
+                cap = np.float32(hp.logit_softcap)
+                row = cap * np.tanh(row / cap)
+            rows.append(row)
+        return rows
 
     def _check_open(self) -> None:
         if self._closed:
@@ -424,6 +489,22 @@ def _uploaded_bytes(info: ModelInfo) -> int:
         elif t.name != tensor_name(MODEL_TENSOR.TOKEN_EMBD) or info.hparams.tied_embeddings:
             total += t.nbytes
     return total
+
+
+def _scratch_bytes(info: ModelInfo, options: BackendOptions) -> int:
+    """The device buffers a chunk works in: its activations and the largest product dequantized."""
+    hp = info.hparams
+    rows = 3 * hp.n_embd + hp.q_dim + 2 * hp.kv_dim + hp.q_dim + 2 * hp.n_ff + hp.head_dim  # x, h, out, ...
+    return 4 * (options.batch_size * rows + _largest_matrix(info) + hp.n_vocab + options.kv_tokens)
+
+
+def _largest_matrix(info: ModelInfo) -> int:
+    """Elements of the largest product a chunk dequantizes: Q, K and V or the gate and up stacked, or any one
+    matrix but the embedding and the head (the head's logits are computed a row at a time)."""
+    hp = info.hparams
+    skipped = {tensor_name(MODEL_TENSOR.TOKEN_EMBD), tensor_name(MODEL_TENSOR.OUTPUT)}
+    largest = max((math.prod(t.shape) for t in info.tensors if len(t.shape) > 1 and t.name not in skipped), default=0)
+    return max(largest, (hp.q_dim + 2 * hp.kv_dim) * hp.n_embd, 2 * hp.n_ff * hp.n_embd)
 
 
 def _first_line(exc: BaseException) -> str:

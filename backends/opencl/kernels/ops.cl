@@ -1,10 +1,10 @@
-// Everything but the matrix products, for one token of one sequence at a time: norms, RoPE and the KV
-// cache, attention and the FFN's gate. OpenCL C 1.2 core only. Built with HEAD_DIM set to the model's,
-// and KV_HALF defined for an f16 cache (stored through vstore_half: no fp16 extension is needed).
+// Everything but the matrix products, for a chunk of one sequence's tokens (the second work dimension, t):
+// norms, RoPE and the KV cache, attention and the FFN's gate. OpenCL C 1.2 core only. Built with HEAD_DIM set
+// to the model's, and KV_HALF defined for an f16 cache (stored through vstore_half: no fp16 extension).
 //
-// What changes from one token to the next is in `step`, uploaded once a step: step[0] is the number of
-// positions the sequence holds with this token, step[1] the cell its keys and values go to. Every other
-// argument is set once, when the backend plans its kernels, so a step only enqueues them.
+// Every argument is set once, when the backend plans its kernels, but the chunk's first position: step[0],
+// uploaded once a chunk. Token t is at position step[0] + t, its keys and values go to cells[step[0] + t],
+// and it attends to the cells before.
 
 #ifdef KV_HALF
 #define KV_T half
@@ -19,9 +19,11 @@
 #endif
 #define CHUNKS (HEAD_DIM / 8)  // a head's values as float8s: every head_dim the models use is a multiple of 8
 
-// y = x / rms(x) * w for each of the rows (work-items) of n values from x + at; y may be x.
-__kernel void rms_norm(__global float *x, __global const float *w, __global float *y, int n, float eps, int at) {
-    size_t row = at + (size_t)get_global_id(0) * n;
+// y = x / rms(x) * w for each of the rows (work-items) of n values from x + at in each token's row of x
+// (`stride` apart); y may be x.
+__kernel void rms_norm(__global float *x, __global const float *w, __global float *y, int n, float eps, int at,
+                       int stride) {
+    size_t row = (size_t)get_global_id(1) * stride + at + get_global_id(0) * n;
     float squares = 0.0f;
     for (int i = 0; i < n; i++)
         squares += x[row + i] * x[row + i];
@@ -30,17 +32,18 @@ __kernel void rms_norm(__global float *x, __global const float *w, __global floa
         y[row + i] = x[row + i] * scale * w[i];
 }
 
-// x += y, then h = rms_norm(x) * w: a block's residual add and the next norm, in one work-item.
+// x += y, then h = rms_norm(x) * w: a block's residual add and the next norm, a work-item a token.
 __kernel void add_norm(__global float *x, __global const float *y, __global const float *w, __global float *h,
                        int n, float eps) {
+    size_t row = (size_t)get_global_id(1) * n;
     float squares = 0.0f;
     for (int i = 0; i < n; i++) {
-        x[i] += y[i];
-        squares += x[i] * x[i];
+        x[row + i] += y[row + i];
+        squares += x[row + i] * x[row + i];
     }
     float scale = rsqrt(squares / n + eps);
     for (int i = 0; i < n; i++)
-        h[i] = x[i] * scale * w[i];
+        h[row + i] = x[row + i] * scale * w[i];
 }
 
 // Indices of rotation pair i of a head: (2i, 2i + 1) in the "norm" style, (i, i + HEAD_DIM / 2) in "neox".
@@ -48,30 +51,32 @@ int2 pair_of(int i, int neox) {
     return neox ? (int2)(i, i + HEAD_DIM / 2) : (int2)(2 * i, 2 * i + 1);
 }
 
-// RoPE on the query heads (scaled by the attention's scale) and the key heads of qkv = [q | k | v], then the
-// keys and values into cell step[1] of the layer's cache: a work-item a rotation pair of one head.
+// RoPE on the query heads (scaled by the attention's scale) and the key heads of each token's qkv = [q | k | v],
+// with its position's cos and sin (a row of HEAD_DIM / 2 each a token), then its keys and values into its
+// cell of the layer's cache: a work-item a rotation pair of one head.
 __kernel void rope_store(__global float *qkv, __global const float *cos_, __global const float *sin_,
-                         __global KV_T *keys, __global KV_T *values, __global const int *step,
-                         int n_head, int n_kv, int neox, float scale) {
-    int half_dim = HEAD_DIM / 2;
+                         __global KV_T *keys, __global KV_T *values, __global const int *cells,
+                         __global const int *step, int n_head, int n_kv, int neox, float scale) {
+    int half_dim = HEAD_DIM / 2, t = get_global_id(1);
     int head = get_global_id(0) / half_dim, i = get_global_id(0) % half_dim;
     int2 ab = pair_of(i, neox);
     int q_dim = n_head * HEAD_DIM, kv_dim = n_kv * HEAD_DIM;
+    __global float *row = qkv + (size_t)t * (q_dim + 2 * kv_dim);
     bool is_key = head >= n_head;
     int start = head * HEAD_DIM;  // keys follow the queries in qkv
     float s = is_key ? 1.0f : scale;
-    float c = cos_[i] * s, sn = sin_[i] * s;
-    float x0 = qkv[start + ab.x], x1 = qkv[start + ab.y];
+    float c = cos_[t * half_dim + i] * s, sn = sin_[t * half_dim + i] * s;
+    float x0 = row[start + ab.x], x1 = row[start + ab.y];
     float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
-    qkv[start + ab.x] = r0;
-    qkv[start + ab.y] = r1;
+    row[start + ab.x] = r0;
+    row[start + ab.y] = r1;
     if (is_key) {
         int within = start - q_dim;  // this key head's place in the cell
-        size_t cell = (size_t)step[1] * kv_dim + within;
+        size_t cell = (size_t)cells[step[0] + t] * kv_dim + within;
         KV_STORE(r0, cell + ab.x, keys);
         KV_STORE(r1, cell + ab.y, keys);
-        KV_STORE(qkv[q_dim + kv_dim + within + ab.x], cell + ab.x, values);
-        KV_STORE(qkv[q_dim + kv_dim + within + ab.y], cell + ab.y, values);
+        KV_STORE(row[q_dim + kv_dim + within + ab.x], cell + ab.x, values);
+        KV_STORE(row[q_dim + kv_dim + within + ab.y], cell + ab.y, values);
     }
 }
 
@@ -87,27 +92,28 @@ __kernel void rerotate(__global KV_T *keys, __global const int *cells, __global 
     KV_STORE(x0 * sin_[i] + x1 * cos_[i], base + ab.y, keys);
 }
 
-// One query head (a work-item) over the cached keys of the sequence's positions, whose cells are listed in
-// order: the last step[0] of them within `window` (0: all), softmax(q . k) . v with the running maximum
-// rescaling the sums as it goes. Eight values a load.
-__kernel void attention(__global const float *q, __global const KV_T *keys, __global const KV_T *values,
+// One query head of one token (a work-item) over the cached keys of the positions it sees: those up to its own,
+// within `window` (0: all), whose cells are listed in order. softmax(q . k) . v, with the running maximum
+// rescaling the sums as it goes; eight values a load.
+__kernel void attention(__global const float *qkv, __global const KV_T *keys, __global const KV_T *values,
                         __global const int *cells, __global const int *step, int n_kv, int window,
                         __global float *out) {
-    int h = get_global_id(0);
-    int kv_head = h / (get_global_size(0) / n_kv);
-    int n = step[0];
+    int h = get_global_id(0), t = get_global_id(1), n_head = get_global_size(0);
+    int kv_head = h / (n_head / n_kv);
+    int n = step[0] + t + 1;  // positions this token sees, itself included
     int first = window ? max(0, n - window) : 0;
-    float8 query[CHUNKS], acc[CHUNKS];
+    size_t query = ((size_t)t * (n_head + 2 * n_kv) + h) * CHUNKS;  // in float8s
+    float8 q[CHUNKS], acc[CHUNKS];
     for (int c = 0; c < CHUNKS; c++) {
-        query[c] = vload8(h * CHUNKS + c, q);
+        q[c] = vload8(query + c, qkv);
         acc[c] = 0.0f;
     }
     float best = -INFINITY, total = 0.0f;
-    for (int t = first; t < n; t++) {
-        size_t base = ((size_t)cells[t] * n_kv + kv_head) * CHUNKS;  // in float8s
+    for (int p = first; p < n; p++) {
+        size_t base = ((size_t)cells[p] * n_kv + kv_head) * CHUNKS;
         float8 products = 0.0f;
         for (int c = 0; c < CHUNKS; c++)
-            products += query[c] * KV_LOAD8(base + c, keys);
+            products += q[c] * KV_LOAD8(base + c, keys);
         float score = products.s0 + products.s1 + products.s2 + products.s3 + products.s4 + products.s5
                     + products.s6 + products.s7;
         float top = fmax(best, score);
@@ -118,19 +124,19 @@ __kernel void attention(__global const float *q, __global const KV_T *keys, __gl
         best = top;
     }
     for (int c = 0; c < CHUNKS; c++)
-        vstore8(acc[c] / total, h * CHUNKS + c, out);
+        vstore8(acc[c] / total, ((size_t)t * n_head + h) * CHUNKS + c, out);
 }
 
-// gate_up = [gate | up], n_ff each: gate = act(gate) * up in place (SiLU, or GELU's tanh form, as
+// Each token's gate_up = [gate | up], n_ff each: gate = act(gate) * up in place (SiLU, or GELU's tanh form, as
 // models/reference.py writes them).
 __kernel void silu_gate(__global float *gate_up, int n_ff) {
-    int i = get_global_id(0);
+    size_t i = (size_t)get_global_id(1) * 2 * n_ff + get_global_id(0);
     float g = gate_up[i];
-    gate_up[i] = g * (0.5f + 0.5f * tanh(0.5f * g)) * gate_up[n_ff + i];
+    gate_up[i] = g * (0.5f + 0.5f * tanh(0.5f * g)) * gate_up[i + n_ff];
 }
 
 __kernel void gelu_gate(__global float *gate_up, int n_ff) {
-    int i = get_global_id(0);
+    size_t i = (size_t)get_global_id(1) * 2 * n_ff + get_global_id(0);
     float g = gate_up[i];
-    gate_up[i] = 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g))) * gate_up[n_ff + i];
+    gate_up[i] = 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g))) * gate_up[i + n_ff];
 }

@@ -1,5 +1,8 @@
-// Matrix-vector products for decode, on the GGUF's own blocks: y[at + r] = dot(W[r], x) (+ bias[r]) for the
-// n rows of W, `at` placing them in a buffer several products share (Q, K and V of mixed types, say).
+// The matrix products. For decode, matrix-vector products on the GGUF's own blocks (matvec_<type>):
+// y[at + r] = dot(W[r], x) (+ bias[r]) for the n rows of W, `at` placing them in a buffer several products
+// share (Q, K and V of mixed types, say). For a prompt's tokens, each matrix is dequantized to float32
+// (dequantize_<type>) and multiplied by the tokens' rows in tiles (gemm): unpacking a block once serves
+// every token, where a product per token would unpack it again for each.
 //
 // OpenCL C 1.2 core only. Each work-item takes ROWS rows, so that every block of x it loads serves ROWS rows,
 // and keeps each row's sum in a vector reduced once at the end. Measured on PoCL (2 cores, Q4_1 4096x4096):
@@ -106,17 +109,19 @@ __kernel void matvec_q8_0(__global const half *d, __global const char *q, __glob
 }
 
 // Q5_0: value = (q - 16) * d, q's low 4 bits packed as Q4_0's and its fifth bits in a 32-bit word a block
-// (bit j for element j).
+// (bit j for element j): q - 16 of 16 elements from `first` on, given their low 4 bits.
+float16 q5_0_codes(float16 low, uint high, uint first) {
+    const uint16 bits = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return low + 16.0f * convert_float16(((uint16)high >> (bits + first)) & 1u) - 16.0f;
+}
+
 __kernel void matvec_q5_0(__global const half *d, __global const uint *high, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
-    const uint16 shifts = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #define Q5_0_STEP(j) {                                                                                      \
         uchar16 c = vload16(f##j + b, q);                                                                   \
         uint h = high[f##j + b];                                                                            \
-        float16 low = LOW(c) + 16.0f * convert_float16(((uint16)h >> shifts) & 1u) - 16.0f;                         \
-        float16 upper = HIGH(c) + 16.0f * convert_float16(((uint16)h >> (shifts + 16u)) & 1u) - 16.0f;             \
-        a##j += vload_half(f##j + b, d) * (low * xl + upper * xh); }
+        a##j += vload_half(f##j + b, d) * (q5_0_codes(LOW(c), h, 0) * xl + q5_0_codes(HIGH(c), h, 16) * xh); }
     FOR_ROWS(BLOCKS_START)
     for (int b = 0; b < k / 32; b++) {
         float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);
@@ -165,6 +170,13 @@ __kernel void matvec_q4_k(__global const half *d, __global const half *dmin, __g
 // Q6_K: sixteen blocks of 16, value d * sc * (q - 32), sc signed 8-bit; q's low 4 bits in ql, high 2 in qh.
 // Element 128h + 32s + i (h: half, s: quarter, i < 32): ql byte 64h + 32(s % 2) + i, its low nibble for
 // s < 2 and high one after; qh byte 32h + i, bits 2s and 2s + 1.
+float16 q6_k_codes(__global const uchar *ql, __global const uchar *qh, size_t sb, int h, int s, int i0) {
+    uchar16 low = vload16(0, ql + sb * 128 + 64 * h + 32 * (s % 2) + i0);
+    uchar16 top = vload16(0, qh + sb * 64 + 32 * h + i0);
+    uchar16 nibble = s < 2 ? low & (uchar16)0xF : low >> (uchar16)4;
+    return convert_float16(nibble | (((top >> (uchar16)(2 * s)) & (uchar16)3) << (uchar16)4)) - 32.0f;
+}
+
 __kernel void matvec_q6_k(__global const uchar *ql, __global const uchar *qh, __global const char *scales,
                           __global const half *d, __global const float *x, __global float *y,
                           __global const float *bias, int k, int at, int n) {
@@ -174,12 +186,8 @@ __kernel void matvec_q6_k(__global const uchar *ql, __global const uchar *qh, __
         for (int h = 0; h < 2; h++)                                                                         \
             for (int s = 0; s < 4; s++)                                                                     \
                 for (int i0 = 0; i0 < 32; i0 += 16) {                                                       \
-                    uchar16 low = vload16(0, ql + sb * 128 + 64 * h + 32 * (s % 2) + i0);                  \
-                    uchar16 top = vload16(0, qh + sb * 64 + 32 * h + i0);                                   \
-                    uchar16 nib = s < 2 ? low & (uchar16)0xF : low >> (uchar16)4;                          \
-                    uchar16 code = nib | (((top >> (uchar16)(2 * s)) & (uchar16)3) << (uchar16)4);         \
                     float scale = dd * scales[sb * 16 + 8 * h + 2 * s + i0 / 16];                          \
-                    a##j += scale * (convert_float16(code) - 32.0f) * xs[8 * h + 2 * s + i0 / 16];          \
+                    a##j += scale * q6_k_codes(ql, qh, sb, h, s, i0) * xs[8 * h + 2 * s + i0 / 16];         \
                 } }
     size_t s0 = ROW(0) * (size_t)(k / 256), s1 = ROW(1) * (size_t)(k / 256);
     size_t s2 = ROW(2) * (size_t)(k / 256), s3 = ROW(3) * (size_t)(k / 256);
@@ -191,4 +199,95 @@ __kernel void matvec_q6_k(__global const uchar *ql, __global const uchar *qh, __
         FOR_ROWS(Q6_K_STEP)
     }
     FOR_ROWS(Q8_0_END)
+}
+
+// -- for a prompt: dequantize, then multiply in tiles ---------------------------------------------------------
+// Each dequantize_<type> writes its block's (or super-block's) values at its place in W, (n, k) float32.
+
+__kernel void dequantize_f16(__global const half *w, __global float *out) {
+    out[get_global_id(0)] = vload_half(get_global_id(0), w);
+}
+
+__kernel void dequantize_q4_0(__global const half *d, __global const uchar *q, __global float *out) {
+    size_t b = get_global_id(0);
+    uchar16 c = vload16(b, q);
+    float scale = vload_half(b, d);
+    vstore16((LOW(c) - 8.0f) * scale, 2 * b, out);
+    vstore16((HIGH(c) - 8.0f) * scale, 2 * b + 1, out);
+}
+
+__kernel void dequantize_q4_1(__global const half *d, __global const half *m, __global const uchar *q,
+                              __global float *out) {
+    size_t b = get_global_id(0);
+    uchar16 c = vload16(b, q);
+    float scale = vload_half(b, d), least = vload_half(b, m);
+    vstore16(LOW(c) * scale + least, 2 * b, out);
+    vstore16(HIGH(c) * scale + least, 2 * b + 1, out);
+}
+
+__kernel void dequantize_q5_0(__global const half *d, __global const uint *high, __global const uchar *q,
+                              __global float *out) {
+    size_t b = get_global_id(0);
+    uchar16 c = vload16(b, q);
+    float scale = vload_half(b, d);
+    vstore16(q5_0_codes(LOW(c), high[b], 0) * scale, 2 * b, out);
+    vstore16(q5_0_codes(HIGH(c), high[b], 16) * scale, 2 * b + 1, out);
+}
+
+__kernel void dequantize_q8_0(__global const half *d, __global const char *q, __global float *out) {
+    size_t b = get_global_id(0);
+    float scale = vload_half(b, d);
+    vstore16(convert_float16(vload16(2 * b, q)) * scale, 2 * b, out);
+    vstore16(convert_float16(vload16(2 * b + 1, q)) * scale, 2 * b + 1, out);
+}
+
+__kernel void dequantize_q4_k(__global const half *d, __global const half *dmin, __global const uchar *scales,
+                              __global const uchar *q, __global float *out) {
+    size_t sb = get_global_id(0);
+    float dd = vload_half(sb, d), dm = vload_half(sb, dmin);
+    for (int g = 0; g < 4; g++) {
+        int2 lo = q4_k_scale_min(scales + sb * 12, 2 * g), hi = q4_k_scale_min(scales + sb * 12, 2 * g + 1);
+        for (int half16 = 0; half16 < 2; half16++) {
+            uchar16 c = vload16(0, q + sb * 128 + g * 32 + half16 * 16);
+            vstore16(dd * lo.x * LOW(c) - dm * lo.y, sb * 16 + 4 * g + half16, out);
+            vstore16(dd * hi.x * HIGH(c) - dm * hi.y, sb * 16 + 4 * g + 2 + half16, out);
+        }
+    }
+}
+
+__kernel void dequantize_q6_k(__global const uchar *ql, __global const uchar *qh, __global const char *scales,
+                              __global const half *d, __global float *out) {
+    size_t sb = get_global_id(0);
+    float dd = vload_half(sb, d);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int i0 = 0; i0 < 32; i0 += 16) {
+                int block = 8 * h + 2 * s + i0 / 16;  // of 16 elements
+                vstore16(dd * scales[sb * 16 + block] * q6_k_codes(ql, qh, sb, h, s, i0), sb * 16 + block, out);
+            }
+}
+
+// Y[t][at + r] = dot(W[r], X[t]) (+ bias[r]) for n rows of W (n, k) and `tokens` rows of X: a work-item
+// takes 4 rows and 4 tokens, 16 sums of 8 lanes, every row of W it loads serving 4 tokens.
+__kernel void gemm(__global const float *w, __global const float *x, __global float *y, __global const float *bias,
+                   int k, int n, int tokens, int ldx, int ldy, int at) {
+    int r0 = get_global_id(0) * 4, t0 = get_global_id(1) * 4;
+#define W_ROW(j) __global const float *w##j = w + (size_t)min(r0 + j, n - 1) * k;
+#define X_ROW(j) __global const float *x##j = x + (size_t)min(t0 + j, tokens - 1) * ldx;
+    W_ROW(0) W_ROW(1) W_ROW(2) W_ROW(3)
+    X_ROW(0) X_ROW(1) X_ROW(2) X_ROW(3)
+#define SUMS(r) float8 s##r##0 = 0.0f, s##r##1 = 0.0f, s##r##2 = 0.0f, s##r##3 = 0.0f;
+    SUMS(0) SUMS(1) SUMS(2) SUMS(3)
+    int i = 0;
+    for (; i + 8 <= k; i += 8) {
+        float8 u0 = vload8(0, x0 + i), u1 = vload8(0, x1 + i), u2 = vload8(0, x2 + i), u3 = vload8(0, x3 + i);
+#define ROW_TIMES_TOKENS(r) { float8 v = vload8(0, w##r + i); s##r##0 += v * u0; s##r##1 += v * u1; s##r##2 += v * u2; s##r##3 += v * u3; }
+        ROW_TIMES_TOKENS(0) ROW_TIMES_TOKENS(1) ROW_TIMES_TOKENS(2) ROW_TIMES_TOKENS(3)
+    }
+#define OUT(r, t) if (r0 + r < n && t0 + t < tokens) {                                                      \
+        float total = sum8(s##r##t);                                                                         \
+        for (int e = i; e < k; e++) total += w##r[e] * x##t[e];                                              \
+        y[(size_t)(t0 + t) * ldy + at + r0 + r] = bias ? total + bias[r0 + r] : total; }
+#define OUT_ROW(r) OUT(r, 0) OUT(r, 1) OUT(r, 2) OUT(r, 3)
+    OUT_ROW(0) OUT_ROW(1) OUT_ROW(2) OUT_ROW(3)
 }
