@@ -77,3 +77,40 @@ class CellPool:
         self.truncate(dst, 0)
         self._users[shared] += 1
         self._cells[dst] = list(shared)
+
+
+class PooledBackend:
+    """The contract's cell keeping for a backend whose cells a ``CellPool`` keeps (``self._pool``), where every
+    position can be truncated and shifted: a backend class adds its model, ``eval`` and ``evict``."""
+
+    name: str
+    _pool: CellPool
+    _closed: bool
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.capacity
+
+    @property
+    def n_seq(self) -> int:
+        return self._pool.n_seq
+
+    @property
+    def can_shift(self) -> bool:
+        return True
+
+    @property
+    def can_truncate(self) -> bool:
+        return True
+
+    def truncate(self, seq: int, n: int) -> None:
+        self._check_open()
+        self._pool.truncate(seq, n)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self._check_open()
+        self._pool.copy_prefix(src, dst, n)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"this {self.name} backend is closed (its engine was closed); create a new Engine")

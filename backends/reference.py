@@ -14,16 +14,16 @@ from typing import ClassVar
 
 import numpy as np
 
-from edgeinfer.errors import BackendError, BackendUnavailableError
+from edgeinfer.errors import BackendUnavailableError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, causal, gguf_weights
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
 from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
-from .cells import CellPool
+from .cells import CellPool, PooledBackend
 
 
-class ReferenceBackend:
+class ReferenceBackend(PooledBackend):
     """Plain numpy over the dequantized GGUF weights."""
 
     name: ClassVar[str] = "reference"
@@ -72,22 +72,6 @@ class ReferenceBackend:
         self._closed = False
 
     @property
-    def capacity(self) -> int:
-        return self._pool.capacity
-
-    @property
-    def n_seq(self) -> int:
-        return self._pool.n_seq
-
-    @property
-    def can_shift(self) -> bool:
-        return True
-
-    @property
-    def can_truncate(self) -> bool:
-        return True
-
-    @property
     def n_vocab(self) -> int:
         return self._n_vocab
 
@@ -131,10 +115,6 @@ class ReferenceBackend:
             out[rows] = attention(q[rows], keys, values, causal(n, len(held) - n, window))
         return out
 
-    def truncate(self, seq: int, n: int) -> None:
-        self._check_open()
-        self._pool.truncate(seq, n)
-
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
         kept = self._pool.evict(seq, start, end)
@@ -142,14 +122,6 @@ class ReferenceBackend:
         back = np.full(len(kept), start - end)
         for layer in range(self.model.hp.n_layer):
             self._k[layer, kept] = self.model.rope(self._k[layer, kept].astype(np.float32), back, layer)
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        self._check_open()
-        self._pool.copy_prefix(src, dst, n)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendError("this reference backend is closed (its engine was closed); create a new Engine")
 
     def close(self) -> None:
         if self._closed:

@@ -89,3 +89,30 @@ def active_sequence(engine) -> int:
     """The KV sequence the engine's last call ran in."""
     states = engine._cache.sequences
     return max(range(len(states)), key=lambda s: states[s].used_at)
+
+
+def reference_copies(folder: Path, model_path: Path, kinds: tuple[str, ...]) -> tuple[list[int], dict]:
+    """SmolLM2 rewritten with every matrix as each of ``kinds`` (``dequantize_gguf``'s ``f32``, ``q8_0``), 512
+    tokens of tests/data/lighthouse.txt, and the reference backend's logits of them on each copy:
+    ``tokens, {kind: (info, logits)}``."""
+    from edgeinfer.backends.base import BackendOptions, Span
+    from edgeinfer.backends.reference import ReferenceBackend
+    from edgeinfer.models.info import load_model_info
+    from edgeinfer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_path)
+    try:
+        tokens = (tokenizer.encode((Path(__file__).parent / "data" / "lighthouse.txt").read_text()) * 2)[:512]
+    finally:
+        tokenizer.close()
+    copies = {}
+    for kind in kinds:
+        path = folder / f"smollm2-{kind}.gguf"
+        load_script("dequantize_gguf").write_copy(load_model_info(model_path), path, kind)
+        info = load_model_info(path)
+        backend = ReferenceBackend(info, BackendOptions(kv_tokens=len(tokens), kv_type="f32", threads=2))
+        try:
+            copies[kind] = (info, np.array(backend.eval([Span(0, 0, tokens, all_logits=True)])[0]))
+        finally:
+            backend.close()
+    return tokens, copies

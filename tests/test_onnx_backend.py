@@ -28,9 +28,8 @@ from edgeinfer.backends.onnx.graph import BUILDER_VERSION, GraphSpec
 from edgeinfer.backends.onnx.graph_cache import cached_graph, graph_path, weights_path
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.tokenizer import Tokenizer
 
-from support import load_script
+from support import reference_copies
 
 TEXT = (Path(__file__).parent / "data" / "lighthouse.txt").read_text()
 TOKENS = [int(t) for t in np.random.default_rng(3).integers(3, 250, size=64)]
@@ -57,19 +56,7 @@ def logits_of(cls: type, info: ModelInfo, tokens: list[int], kv_type: str, **loa
 @pytest.fixture(scope="module")
 def smollm2_copies(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
     """SmolLM2 with every matrix as F32 and as Q8_0, 512 tokens of text, and the reference's logits of them."""
-    folder = tmp_path_factory.mktemp("smollm2-copies")
-    tokenizer = Tokenizer(model_path)
-    try:
-        tokens = (tokenizer.encode(TEXT) * 2)[:512]
-    finally:
-        tokenizer.close()
-    copies = {}
-    for kind in ("f32", "q8_0"):
-        path = folder / f"smollm2-{kind}.gguf"
-        load_script("dequantize_gguf").write_copy(load_model_info(model_path), path, kind)
-        info = load_model_info(path)
-        copies[kind] = (info, logits_of(ReferenceBackend, info, tokens, "f32"))
-    return tokens, copies
+    return reference_copies(tmp_path_factory.mktemp("smollm2-copies"), model_path, ("f32", "q8_0"))
 
 
 def test_an_f32_copy_of_smollm2_agrees_with_the_reference_over_512_tokens(smollm2_copies):

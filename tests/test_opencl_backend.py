@@ -19,9 +19,8 @@ from edgeinfer.backends.base import BackendOptions, Span
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.errors import BackendError, InvalidOptionError
 from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.tokenizer import Tokenizer
 
-from support import load_script
+from support import reference_copies
 
 pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
 try:
@@ -29,8 +28,6 @@ try:
     from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
 except BackendUnavailableError as exc:
     pytest.skip(f"no OpenCL device here: {exc}", allow_module_level=True)
-
-TEXT = (Path(__file__).parent / "data" / "lighthouse.txt").read_text()
 
 
 def logits_of(cls: type, info: ModelInfo, tokens: list[int], kv_type: str) -> np.ndarray:
@@ -42,19 +39,7 @@ def logits_of(cls: type, info: ModelInfo, tokens: list[int], kv_type: str) -> np
 @pytest.fixture(scope="module")
 def smollm2_copies(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
     """SmolLM2 with every matrix as F32 and as Q8_0, 512 tokens of text, and the reference's logits of them."""
-    folder = tmp_path_factory.mktemp("smollm2-copies")
-    tokenizer = Tokenizer(model_path)
-    try:
-        tokens = (tokenizer.encode(TEXT) * 2)[:512]
-    finally:
-        tokenizer.close()
-    copies = {}
-    for kind in ("f32", "q8_0"):
-        path = folder / f"smollm2-{kind}.gguf"
-        load_script("dequantize_gguf").write_copy(load_model_info(model_path), path, kind)
-        info = load_model_info(path)
-        copies[kind] = (info, logits_of(ReferenceBackend, info, tokens, "f32"))
-    return tokens, copies
+    return reference_copies(tmp_path_factory.mktemp("smollm2-copies"), model_path, ("f32", "q8_0"))
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])

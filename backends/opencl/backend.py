@@ -37,7 +37,7 @@ from edgeinfer.models.tensors import GGUFTensors, open_tensors
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
 from ..base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
-from ..cells import CellPool
+from ..cells import CellPool, PooledBackend
 from .device import INSTALL_HINT, choose_device, opencl_devices
 
 if not opencl_devices():  # as a backend whose library is missing: it cannot load here, whatever the model
@@ -107,7 +107,7 @@ class Product:
         cl.enqueue_nd_range_kernel(queue, self.gemm, (-(-self.n // 4), -(-tokens // 4)), None)
 
 
-class OpenCLBackend:
+class OpenCLBackend(PooledBackend):
     """GGUF models on an OpenCL device: kernels in ``kernels/``, a fixed KV cache in device buffers."""
 
     name: ClassVar[str] = "opencl"
@@ -298,22 +298,6 @@ class OpenCLBackend:
     # -- contract -----------------------------------------------------------------------------------
 
     @property
-    def capacity(self) -> int:
-        return self._pool.capacity
-
-    @property
-    def n_seq(self) -> int:
-        return self._pool.n_seq
-
-    @property
-    def can_shift(self) -> bool:
-        return True
-
-    @property
-    def can_truncate(self) -> bool:
-        return True
-
-    @property
     def n_vocab(self) -> int:
         return self._n_vocab
 
@@ -342,10 +326,6 @@ class OpenCLBackend:
             raise
         return out
 
-    def truncate(self, seq: int, n: int) -> None:
-        self._check_open()
-        self._pool.truncate(seq, n)
-
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
         kept = self._pool.evict(seq, start, end)
@@ -362,10 +342,6 @@ class OpenCLBackend:
                 self._cache[layer][0], self._cells, cos, sin, np.int32(hp.n_head_kv), neox,
             ).enqueue(self._queue)  # fmt: skip
         self._queue.finish()
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        self._check_open()
-        self._pool.copy_prefix(src, dst, n)
 
     def close(self) -> None:
         if self._closed:
@@ -473,10 +449,6 @@ class OpenCLBackend:
                 row = cap * np.tanh(row / cap)
             rows.append(row)
         return rows
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendError("this opencl backend is closed (its engine was closed); create a new Engine")
 
 
 def _uploaded_bytes(info: ModelInfo) -> int:
