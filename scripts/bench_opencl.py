@@ -2,23 +2,24 @@
 
 Times a plain copy kernel (float4 loads and stores over 256 MiB) and each type's decode product
 (``backends/opencl/kernels/products.cl``) on a 16384x8192 matrix in the layout the backend uploads,
-by the device's own event timestamps, and prints each product's bytes read per second as a share
-of the copy's (bytes read and written).
+by the device's own event timestamps from an emptied cache, in every shape the backend's tuning
+tries (``tuning.py``), and prints the fastest shape's bytes read per second as a share of the copy's
+(bytes read and written).
 
-    python scripts/bench_opencl.py [--device 0:0] [--calls 20]
+    python scripts/bench_opencl.py [--device 0:0]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
 
-from edgeinfer.backends.opencl.backend import KERNELS, ROWS_PER_ITEM
+from edgeinfer.backends.opencl.backend import KERNELS
 from edgeinfer.backends.opencl.device import choose_device
+from edgeinfer.backends.opencl.tuning import ROWS_CHOICES, Shape, Timer
 
 COPY = """
 __kernel void copy(__global const float4 *src, __global float4 *dst) {
@@ -29,19 +30,6 @@ __kernel void copy(__global const float4 *src, __global float4 *dst) {
 N, K = 16384, 8192
 # type: bytes of one 32-element block, as the backend's buffers hold it
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64, "f32": 128}
-
-
-def timed(queue: cl.CommandQueue, kernel: cl.Kernel, size: int, calls: int) -> float:
-    """Median seconds of ``calls`` runs, after a warm-up."""
-    for _ in range(3):
-        cl.enqueue_nd_range_kernel(queue, kernel, (size,), None)
-    queue.finish()
-    times = []
-    for _ in range(calls):
-        event = cl.enqueue_nd_range_kernel(queue, kernel, (size,), None)
-        event.wait()
-        times.append((event.profile.end - event.profile.start) * 1e-9)
-    return statistics.median(times)
 
 
 def buffers(context: cl.Context, kind: str, rng: np.random.Generator) -> list[cl.Buffer]:
@@ -68,11 +56,10 @@ def buffers(context: cl.Context, kind: str, rng: np.random.Generator) -> list[cl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", help="P:D or a part of the device's name (default: the backend's choice)")
-    parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
     info, device = choose_device(args.device)
     context = cl.Context([device])
-    queue = cl.CommandQueue(context, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    timer = Timer(context)
     rng = np.random.default_rng(0)
 
     size = 256 << 20
@@ -82,20 +69,28 @@ def main() -> None:
     dst = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, size)
     copy = cl.Kernel(cl.Program(context, COPY).build(), "copy")
     copy.set_args(src, dst)
-    stream = 2 * size / timed(queue, copy, size // 16, args.calls)
+    stream = 2 * size / timer.median_seconds(copy, (size // 16,))
     print(f"{info.index} {info.name}: copy {stream / 1e9:.1f} GB/s (read and written)")
 
-    program = cl.Program(context, (Path(KERNELS) / "products.cl").read_text()).build()
+    source = (Path(KERNELS) / "products.cl").read_text()
+    programs = {rows: cl.Program(context, source).build(options=[f"-DROWS={rows}"]) for rows in ROWS_CHOICES}
     x = cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=rng.random(K, dtype=np.float32))
     y = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, N * 4)
     for kind, block in BLOCK_BYTES.items():
-        kernel = cl.Kernel(program, f"matvec_{kind}")
         weights = buffers(context, kind, rng)
-        kernel.set_args(*weights, x, y, None, np.int32(K), np.int32(0), np.int32(N))
-        seconds = timed(queue, kernel, N // ROWS_PER_ITEM, args.calls)
-        read = N * K // 32 * block
-        rate = read / seconds
-        print(f"  {kind:<5} {N}x{K}: {seconds * 1e6:8.0f} us  {rate / 1e9:5.1f} GB/s  {rate / stream:5.0%} of the copy")
+
+        def launch(shape: Shape, kind: str = kind, weights: list[cl.Buffer] = weights) -> tuple[cl.Kernel, int]:
+            kernel = cl.Kernel(programs[shape.rows], f"matvec_{kind}")
+            kernel.set_args(*weights, x, y, None, np.int32(K), np.int32(0), np.int32(N))
+            return kernel, N
+
+        shape, seconds = timer.fastest(launch)
+        groups = f"groups of {shape.local}" if shape.local else "groups the driver chose"
+        rate = N * K // 32 * block / seconds
+        print(
+            f"  {kind:<5} {N}x{K}: {seconds * 1e6:8.0f} us  {rate / 1e9:5.1f} GB/s  {rate / stream:5.0%} of the copy"
+            f"  ({shape.rows} rows a work-item, {groups})"
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from edgeinfer.models.info import ModelInfo, load_model_info
 
 from support import reference_copies
 
-pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
+cl = pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
 try:
     from edgeinfer.backends.opencl.backend import OpenCLBackend
     from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
@@ -133,6 +133,79 @@ def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatc
     path = write_sharp_gguf(tmp_path / f"{type_name}.gguf", arch=arch, tensor_type=type_name, n_embd=256, n_ff=512)
     info = load_model_info(path)
     tokens = list(range(3, 40))
+    truth = logits_of(ReferenceBackend, info, tokens, "f32")
+    ours = logits_of(OpenCLBackend, info, tokens, "f32")
+    divergence, agree = kld(truth, ours), top1(truth, ours)
+    assert divergence <= 1e-6 and agree == 1.0, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, type_name):
+    """The tuning picks rows a work-item and group sizes by speed, so each machine may run another shape: every
+    shape gives the product of the file's weights (a row count that fills no whole group of any size, 200)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from edgeinfer.backends.opencl.tuning import SHAPES
+    from edgeinfer.converters import quantize
+
+    kind = GGMLQuantizationType[type_name]
+    if not quantize.available(kind):
+        pytest.skip(f"{type_name} blocks come from ggml's quantizer, which needs llama.cpp's library")
+    rng = np.random.default_rng(0)
+    n, k = 200, 512
+    weights = rng.standard_normal((n, k)).astype(np.float32)
+    floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    raw = weights.astype(floats[kind]).view(np.uint8) if kind in floats else quantize.quantize(weights, kind)
+    truth = dequantize(raw, kind).reshape(n, k).astype(np.float64) @ (x := rng.standard_normal(k).astype(np.float32))
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+        matrix = backend._matrix_of(kind, raw, k)
+        xs, y = backend._buffer(x), backend._scratch(4 * n)
+        for shape in SHAPES:
+            backend._matvec(matrix, xs, y, None, 0, shape).enqueue(backend._queue)
+            out = np.empty(n, np.float32)
+            cl.enqueue_copy(backend._queue, out, y)
+            assert np.abs(out - truth).max() <= 1e-4 * np.abs(truth).max(), shape
+
+
+def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch):
+    """A first load times the products' shapes and records them under the device; a second load reads the record
+    (an unreadable one is measured again)."""
+    from edgeinfer.backends.opencl import tuning
+
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", tensor_type="Q8_0"))
+    timed = []
+    real = tuning.Timer.fastest
+    monkeypatch.setattr(tuning.Timer, "fastest", lambda self, launch: timed.append(1) or real(self, launch))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+        shapes = backend._shapes
+    (record,) = (tmp_path / "cache" / "opencl").glob("shapes-*.json")
+    # Q, K and V stacked; the attention's output; gate and up stacked; down; the head (tied: the embedding).
+    assert set(shapes) == {"Q8_0 256x128", "Q8_0 128x128", "Q8_0 512x128", "Q8_0 128x256", "Q8_0 275x128"}
+    assert len(timed) == len(shapes) and record.is_file()
+    timed.clear()
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+        assert backend._shapes == shapes and not timed
+    record.write_text("{not json")
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:  # timed again: maybe not alike
+        assert set(backend._shapes) == set(shapes) and len(timed) == len(shapes)
+    assert tuning.recorded_shapes(record) == backend._shapes
+
+
+def test_attention_split_over_a_long_context_agrees_with_the_reference(tmp_path):
+    """A cache of 300 cells splits attention into 5 parts, joined after: over the whole context, over gemma3's
+    sliding window (64), and with parts left empty (the first tokens). The logits of 300 tokens are the
+    reference's."""
+    from conformance_models import write_sharp_gguf
+
+    from edgeinfer.backends.opencl.backend import _splits
+
+    path = write_sharp_gguf(tmp_path / "gemma3.gguf", arch="gemma3", sliding_window=64, n_embd=256, n_ff=512)
+    info = load_model_info(path)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, info.hparams.n_vocab, 300)]
+    assert _splits(len(tokens)) == 5
     truth = logits_of(ReferenceBackend, info, tokens, "f32")
     ours = logits_of(OpenCLBackend, info, tokens, "f32")
     divergence, agree = kld(truth, ours), top1(truth, ours)

@@ -9,8 +9,10 @@ on the device. The embedding rows are dequantized on the host, from the mapped f
 
 A prompt runs in chunks of ``batch_size`` tokens: each matrix is dequantized to float32 into one scratch
 buffer and multiplied by the chunk's rows in tiles (``gemm``); a token being decoded runs matrix-vector
-kernels on the blocks themselves. Not yet here: a device-side argmax, an autotune of work-group sizes,
-and kernels for Q2_K, Q3_K, Q5_1, Q5_K and the IQ types.
+kernels on the blocks themselves, each product in the shape (rows a work-item, group size) measured
+fastest for its type and size on this device at the first load (``tuning.py``). Attention splits each
+head's positions into parts that run side by side, joined after. Not yet here: a device-side argmax,
+tuned tiles for the prompt's products, and kernels for Q2_K, Q3_K, Q5_1, Q5_K and the IQ types.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import ClassVar
 
 import numpy as np
 import pyopencl as cl
-from gguf import MODEL_TENSOR
+from gguf import GGML_QUANT_SIZES, MODEL_TENSOR
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
@@ -39,6 +41,7 @@ from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 from ..base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 from ..cells import CellPool, PooledBackend
 from .device import INSTALL_HINT, choose_device, opencl_devices
+from .tuning import Shape, Timer, record_shapes, recorded_shapes, shape_key, tuning_path
 
 if not opencl_devices():  # as a backend whose library is missing: it cannot load here, whatever the model
     raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
@@ -57,7 +60,9 @@ FLAT_PARTS: dict[QType, tuple[int, ...]] = {
     QType.Q6_K: (0, 128, 192, 208),  # low 4 bits | high 2 bits | scales | d
 }
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
-ROWS_PER_ITEM = 4  # products.cl's ROWS
+# Cells of the cache a part of attention covers when the cache is full: a decode step's attention over a long
+# context then runs as that many work-items a head, joined after.
+ATTENTION_PART = 64
 GEMM_TOKENS_ARG = 6  # the index of gemm's `tokens` argument
 # Elements a dequantize_<type> work-item writes: a block, a K-quant's super-block, or (F16) one value.
 DEQUANTIZED_PER_ITEM = {QType.F16: 1, QType.Q4_K: 256, QType.Q6_K: 256}
@@ -81,9 +86,10 @@ class Launch:
     kernel: cl.Kernel
     size: int
     args: tuple[object, ...]
+    local: tuple[int, int] | None = None  # the group size; None: the driver's choice
 
     def enqueue(self, queue: cl.CommandQueue, tokens: int = 1) -> None:
-        cl.enqueue_nd_range_kernel(queue, self.kernel, (self.size, tokens), None)
+        cl.enqueue_nd_range_kernel(queue, self.kernel, (self.size, tokens), self.local)
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ class OpenCLBackend(PooledBackend):
         self._closed = True  # until loaded
         hp = self._hp = info.hparams
         self._n_vocab = hp.n_vocab
-        self.device, cl_device = choose_device(None if options.device == CPU else options.device)
+        self.device, self._cl_device = choose_device(None if options.device == CPU else options.device)
         kv = int(options.kv_tokens * self.kv_bytes_per_token(info, options.kv_type))
         need = _uploaded_bytes(info) + kv + _scratch_bytes(info, options)
         if need > self.device.global_bytes:
@@ -180,19 +186,23 @@ class OpenCLBackend(PooledBackend):
             )
         self._stack = contextlib.ExitStack()
         try:
-            self._load(info, options, cl_device)
+            self._load(info, options)
         except BaseException:
             self._stack.close()
             raise
         self._closed = False
 
-    def _load(self, info: ModelInfo, options: BackendOptions, cl_device: cl.Device) -> None:
+    def _load(self, info: ModelInfo, options: BackendOptions) -> None:
         hp = self._hp
-        self._context = cl.Context([cl_device])
+        self._context = cl.Context([self._cl_device])
         self._queue = cl.CommandQueue(self._context)
-        defines = [f"-DHEAD_DIM={hp.head_dim}"] + (["-DKV_HALF"] if options.kv_type == "f16" else [])
-        self._programs = {name: self._build(name, defines) for name in ("products.cl", "ops.cl")}
+        self._splits = _splits(options.kv_tokens)
+        defines = [f"-DHEAD_DIM={hp.head_dim}", f"-DSPLITS={self._splits}"]
+        defines += ["-DKV_HALF"] if options.kv_type == "f16" else []
+        self._defines = defines
+        self._programs: dict[tuple[str, int], cl.Program] = {}
         tensors = self._stack.enter_context(open_tensors(info))
+        self._shapes = self._tune(info, tensors)
         embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
         self._embedding, self._embedding_type = tensors.raw(embedding), tensors[embedding].type
         self._rotary = Transformer(hp, tensors.dequantize)  # RoPE frequencies, per layer
@@ -206,6 +216,7 @@ class OpenCLBackend(PooledBackend):
         self._qkv_dim = hp.q_dim + 2 * hp.kv_dim
         self._qkv = self._scratch(rows * self._qkv_dim * f)
         self._attended = self._scratch(rows * hp.q_dim * f)
+        self._parts = self._scratch(rows * hp.n_head * self._splits * (hp.head_dim + 2) * f)  # attention's parts
         self._gate_up = self._scratch(rows * 2 * hp.n_ff * f)
         self._last = self._scratch(hp.n_embd * f)  # the normed row the head multiplies
         self._logits = self._scratch(hp.n_vocab * f)
@@ -237,31 +248,27 @@ class OpenCLBackend(PooledBackend):
             return self._launch("ops.cl", "add_norm", 1, self._x, y, vector(name), self._h, np.int32(hp.n_embd), eps)
 
         def products(
-            kinds: list[MODEL_TENSOR], layer: int, x: tuple[cl.Buffer, int], y: tuple[cl.Buffer, int], biased: bool
+            kinds: Sequence[MODEL_TENSOR], layer: int, x: tuple[cl.Buffer, int], y: tuple[cl.Buffer, int], biased: bool
         ) -> list[Product]:
             """``y = [W1 x | W2 x | ...]`` for each token's row of x and of y (buffer, row length): one product
             where the matrices share a type, else one each."""
-            names = [tensor_name(kind, layer) for kind in kinds]
-            biases = [tensor_name(kind, layer, "bias") for kind in kinds] if biased else []
-            if len({tensors[name].type for name in names}) == 1:
-                groups = [(names, biases)]
-            else:
-                groups = [([name], [bias] if biased else []) for name, bias in zip(names, biases or names, strict=True)]
             planned, at = [], 0
-            for group, group_biases in groups:
-                matrix = self._upload_matrix(tensors, group)
-                bias = self._buffer(np.concatenate([tensors.dequantize(b) for b in group_biases])) if biased else None
+            for stack in _stacks(kinds, layer, types):
+                matrix = self._upload_matrix(tensors, [tensor_name(kind, layer) for kind in stack])
+                biases = [tensors.dequantize(tensor_name(kind, layer, "bias")) for kind in stack] if biased else []
+                bias = self._buffer(np.concatenate(biases)) if biased else None
                 planned.append(self._product(matrix, x, y, bias, at))
                 at += matrix.n
             return planned
 
+        types = {name: tensors[name].type for name in tensors}
         h, out, qkv = (self._h, hp.n_embd), (self._out, hp.n_embd), (self._qkv, qkv_dim)
         body: list[Launch | Product] = [norm(self._x, tensor_name(MODEL_TENSOR.ATTN_NORM, 0), self._h)]
         for layer in range(hp.n_layer):
             keys, values = self._cache[layer]
             cos, sin = self._angles[hp.layer_rope_base(layer)]
-            attention = [MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V]
-            body += products(attention, layer, h, qkv, arch.qkv_bias)
+            qkv_products, out_product, gate_up_products, down_product = LAYER_PRODUCTS
+            body += products(qkv_products, layer, h, qkv, arch.qkv_bias)
             if arch.qk_norm:
                 q_norm, k_norm = (
                     tensor_name(MODEL_TENSOR.ATTN_Q_NORM, layer),
@@ -275,17 +282,18 @@ class OpenCLBackend(PooledBackend):
                 np.float32(self._rotary.attn_scale),
             ))  # fmt: skip
             body.append(self._launch(
-                "ops.cl", "attention", hp.n_head, self._qkv, keys, values, self._cells, self._start,
-                np.int32(hp.n_head_kv), np.int32(hp.window(layer)), self._attended,
+                "ops.cl", "attention_part", hp.n_head * self._splits, self._qkv, keys, values, self._cells,
+                self._start, np.int32(hp.n_head_kv), np.int32(hp.window(layer)), self._parts,
             ))  # fmt: skip
-            body += products([MODEL_TENSOR.ATTN_OUT], layer, (self._attended, hp.q_dim), out, False)
+            body.append(self._launch("ops.cl", "attention_join", hp.n_head, self._parts, self._attended))
+            body += products(out_product, layer, (self._attended, hp.q_dim), out, False)
             if arch.post_norms:
                 body.append(norm(self._out, tensor_name(MODEL_TENSOR.ATTN_POST_NORM, layer), self._out))
             body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.FFN_NORM, layer)))
             gate_up = (self._gate_up, 2 * hp.n_ff)
-            body += products([MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP], layer, h, gate_up, False)
+            body += products(gate_up_products, layer, h, gate_up, False)
             body.append(self._launch("ops.cl", f"{arch.ffn_act}_gate", hp.n_ff, self._gate_up, np.int32(hp.n_ff)))
-            body += products([MODEL_TENSOR.FFN_DOWN], layer, gate_up, out, False)  # the gate half of each row
+            body += products(down_product, layer, gate_up, out, False)  # the gate half of each row
             if arch.post_norms:
                 body.append(norm(self._out, tensor_name(MODEL_TENSOR.FFN_POST_NORM, layer), self._out))
             if layer + 1 < hp.n_layer:
@@ -369,10 +377,66 @@ class OpenCLBackend(PooledBackend):
     def _scratch(self, size: int) -> cl.Buffer:
         return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
 
-    def _launch(self, program: str, name: str, size: int, *args: object) -> Launch:
-        kernel = cl.Kernel(self._programs[program], name)
+    def _program(self, name: str, rows: int = Shape().rows) -> cl.Program:
+        """``kernels/name`` built for this device (``products.cl`` with ``rows`` rows a work-item), once."""
+        if (name, rows) not in self._programs:
+            self._programs[name, rows] = self._build(name, [*self._defines, f"-DROWS={rows}"])
+        return self._programs[name, rows]
+
+    def _launch(self, program: str, name: str, size: int, *args: object, shape: Shape | None = None) -> Launch:
+        """``name`` of ``program`` with ``args`` set, over ``size`` work-items, or over ``size`` rows in ``shape``."""
+        if shape is None:
+            kernel = cl.Kernel(self._program(program), name)
+            kernel.set_args(*args)
+            return Launch(kernel, int(size), args)
+        kernel = cl.Kernel(self._program(program, shape.rows), name)
         kernel.set_args(*args)
-        return Launch(kernel, int(size), args)
+        return Launch(kernel, shape.global_size(size), args, shape.local_size())
+
+    def _tune(self, info: ModelInfo, tensors: GGUFTensors) -> dict[str, Shape]:
+        """The shape of each product the model has (by ``shape_key``) on this device: recorded, or timed on the
+        model's own matrices (``tuning.py``) and recorded."""
+        path = tuning_path(self._cl_device, (KERNELS / "products.cl").read_text())
+        shapes, products = recorded_shapes(path), self._products_of(info)
+        missing = {key: names for key, names in products.items() if key not in shapes}
+        if missing:
+            timer = Timer(self._context)
+            for key, names in missing.items():
+                matrix = self._upload_matrix(tensors, names)
+                x, y = self._buffer(np.ones(matrix.k, np.float32)), self._scratch(4 * matrix.n)
+
+                def launch(shape: Shape, matrix: _Matrix = matrix, x: cl.Buffer = x, y: cl.Buffer = y):
+                    return self._matvec(matrix, x, y, None, 0, shape).kernel, matrix.n
+
+                shapes[key], _ = timer.fastest(launch)
+            record_shapes(path, shapes)  # with other models' sizes: the record is the device's
+        return {key: shapes[key] for key in products}
+
+    def _products_of(self, info: ModelInfo) -> dict[str, list[str]]:
+        """Each size of product a decode step runs (by ``shape_key``), with the matrices of one: Q, K and V
+        stacked, gate and up stacked (where their types allow, as ``_plan`` stacks them), the others, the head."""
+        hp, by_name = self._hp, {t.name: t for t in info.tensors}
+        types = {name: t.type for name, t in by_name.items()}
+        head = tensor_name(MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT)
+        stacks = [
+            [tensor_name(kind, layer) for kind in stack]
+            for layer in range(hp.n_layer)
+            for kinds in LAYER_PRODUCTS
+            for stack in _stacks(kinds, layer, types)
+        ]
+        products: dict[str, list[str]] = {}
+        for stack in [*stacks, [head]]:
+            first = by_name[stack[0]]
+            key = shape_key(first.type.name, sum(by_name[name].shape[1] for name in stack), first.shape[0])
+            products.setdefault(key, stack)
+        return products
+
+    def _matvec(
+        self, matrix: _Matrix, x: cl.Buffer, y: cl.Buffer, bias: cl.Buffer | None, at: int, shape: Shape
+    ) -> Launch:
+        """``y[at:at + n] = W x (+ bias)``, by ``matrix``'s matrix-vector kernel in ``shape``."""
+        return self._launch("products.cl", f"matvec_{matrix.type.name.lower()}", matrix.n, *matrix.buffers, x, y,
+                            bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n), shape=shape)  # fmt: skip
 
     def _product(
         self,
@@ -386,8 +450,7 @@ class OpenCLBackend(PooledBackend):
     ) -> Product:
         """``y[t][at:at + n] = W x[t] (+ bias)`` for each token t's row of x and y (buffer, row length)."""
         kind = matrix.type.name.lower()
-        one = self._launch("products.cl", f"matvec_{kind}", -(-matrix.n // ROWS_PER_ITEM), *matrix.buffers, x[0],
-                           y[0], bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n))  # fmt: skip
+        one = self._matvec(matrix, x[0], y[0], bias, at, self._shapes[shape_key(matrix.type.name, matrix.n, matrix.k)])
         if not gemm:  # the head: a chunk's logits are wanted a row at a time
             return Product(one, None, one.kernel, matrix.n, one.args)
         dequantize, weights = None, matrix.buffers[0]
@@ -397,7 +460,7 @@ class OpenCLBackend(PooledBackend):
             weights = self._dequantized
         args = (weights, x[0], y[0], bias, np.int32(matrix.k), np.int32(matrix.n), np.int32(1), np.int32(x[1]),
                 np.int32(y[1]), np.int32(at))  # fmt: skip
-        gemm_kernel = cl.Kernel(self._programs["products.cl"], "gemm")
+        gemm_kernel = cl.Kernel(self._program("products.cl"), "gemm")
         gemm_kernel.set_args(*args)
         return Product(one, dequantize, gemm_kernel, matrix.n, args)
 
@@ -405,13 +468,18 @@ class OpenCLBackend(PooledBackend):
         """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads."""
         first = tensors[names[0]]
         raw = np.concatenate([tensors.raw(name) for name in names]) if len(names) > 1 else tensors.raw(names[0])
-        n, k = raw.shape[0], first.shape[0]
-        if first.type not in FLAT_PARTS:
-            return _Matrix(first.type, (self._buffer(raw),), n, k)
-        blocks = raw.reshape(n, first.blocks_per_row, -1)
-        cuts = (*FLAT_PARTS[first.type], blocks.shape[-1])
-        buffers = tuple(self._buffer(blocks[..., a:b]) for a, b in itertools.pairwise(cuts))
-        return _Matrix(first.type, buffers, n, k)
+        return self._matrix_of(first.type, raw, first.shape[0])
+
+    def _matrix_of(self, kind: QType, raw: np.ndarray, k: int) -> _Matrix:
+        """Rows of ``k`` values of type ``kind`` as the file holds them (a row of ``raw`` each), uploaded in the
+        layout the type's kernel reads."""
+        n = raw.shape[0]
+        if kind not in FLAT_PARTS:
+            return _Matrix(kind, (self._buffer(raw),), n, k)
+        block, _ = GGML_QUANT_SIZES[kind]
+        blocks = raw.reshape(n, k // block, -1)
+        cuts = (*FLAT_PARTS[kind], blocks.shape[-1])
+        return _Matrix(kind, tuple(self._buffer(blocks[..., a:b]) for a, b in itertools.pairwise(cuts)), n, k)
 
     def _upload_angles(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
         """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), into the buffers of its base."""
@@ -451,6 +519,21 @@ class OpenCLBackend(PooledBackend):
         return rows
 
 
+# The products of a layer, each over matrices that one product can stack when they share a type.
+LAYER_PRODUCTS = (
+    (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V),
+    (MODEL_TENSOR.ATTN_OUT,),
+    (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP),
+    (MODEL_TENSOR.FFN_DOWN,),
+)
+
+
+def _stacks(kinds: Sequence[MODEL_TENSOR], layer: int, types: dict[str, QType]) -> list[list[MODEL_TENSOR]]:
+    """The matrices ``kinds`` of ``layer`` as products run them: stacked by rows in one where they share a type,
+    else one each."""
+    return [list(kinds)] if len({types[tensor_name(kind, layer)] for kind in kinds}) == 1 else [[k] for k in kinds]
+
+
 def _uploaded_bytes(info: ModelInfo) -> int:
     """Bytes the weights take on the device: the file's matrices as stored (the embedding stays on the host
     unless it is also the head), vectors as float32."""
@@ -463,10 +546,17 @@ def _uploaded_bytes(info: ModelInfo) -> int:
     return total
 
 
+def _splits(kv_tokens: int) -> int:
+    """Parts attention splits the positions into: one per ATTENTION_PART cells the cache holds, 1 to 16."""
+    return max(1, min(16, -(-kv_tokens // ATTENTION_PART)))
+
+
 def _scratch_bytes(info: ModelInfo, options: BackendOptions) -> int:
-    """The device buffers a chunk works in: its activations and the largest product dequantized."""
+    """The device buffers a chunk works in: its activations, attention's parts and the largest product
+    dequantized."""
     hp = info.hparams
-    rows = 3 * hp.n_embd + hp.q_dim + 2 * hp.kv_dim + hp.q_dim + 2 * hp.n_ff + hp.head_dim  # x, h, out, ...
+    parts = hp.n_head * _splits(options.kv_tokens) * (hp.head_dim + 2)
+    rows = 3 * hp.n_embd + hp.q_dim + 2 * hp.kv_dim + hp.q_dim + 2 * hp.n_ff + hp.head_dim + parts  # x, h, ...
     return 4 * (options.batch_size * rows + _largest_matrix(info) + hp.n_vocab + options.kv_tokens)
 
 

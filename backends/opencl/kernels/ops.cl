@@ -19,6 +19,11 @@
 #endif
 #define CHUNKS (HEAD_DIM / 8)  // a head's values as float8s: every head_dim the models use is a multiple of 8
 
+float sum8(float8 v) {
+    float4 b = v.lo + v.hi;
+    return b.x + b.y + b.z + b.w;
+}
+
 // y = x / rms(x) * w for each of the rows (work-items) of n values from x + at in each token's row of x
 // (`stride` apart); y may be x.
 __kernel void rms_norm(__global float *x, __global const float *w, __global float *y, int n, float eps, int at,
@@ -92,36 +97,82 @@ __kernel void rerotate(__global KV_T *keys, __global const int *cells, __global 
     KV_STORE(x0 * sin_[i] + x1 * cos_[i], base + ab.y, keys);
 }
 
-// One query head of one token (a work-item) over the cached keys of the positions it sees: those up to its own,
-// within `window` (0: all), whose cells are listed in order. softmax(q . k) . v, with the running maximum
-// rescaling the sums as it goes; eight values a load.
-__kernel void attention(__global const float *qkv, __global const KV_T *keys, __global const KV_T *values,
-                        __global const int *cells, __global const int *step, int n_kv, int window,
-                        __global float *out) {
-    int h = get_global_id(0), t = get_global_id(1), n_head = get_global_size(0);
-    int kv_head = h / (n_head / n_kv);
+// Attention in two kernels, so that a long context spreads over many work-items: attention_part takes one
+// query head of one token and one of SPLITS equal parts of the positions it sees (those up to its own, within
+// `window`: 0 for all, whose cells are listed in order), and keeps softmax(q . k) . v over its part unnormalised,
+// with its running maximum rescaling the sums as it goes; attention_join weighs the parts by their maxima.
+// SPLITS is set at build. A part's record in `parts`: its maximum, its total weight, then HEAD_DIM sums.
+#define PART (HEAD_DIM + 2)
+__kernel void attention_part(__global const float *qkv, __global const KV_T *keys, __global const KV_T *values,
+                             __global const int *cells, __global const int *step, int n_kv, int window,
+                             __global float *parts) {
+    int h = get_global_id(0) / SPLITS, split = get_global_id(0) % SPLITS, t = get_global_id(1);
+    int n_head = get_global_size(0) / SPLITS, kv_head = h / (n_head / n_kv);
     int n = step[0] + t + 1;  // positions this token sees, itself included
     int first = window ? max(0, n - window) : 0;
+    int length = (n - first + SPLITS - 1) / SPLITS;
+    int from = first + split * length, to = min(n, from + length);
     size_t query = ((size_t)t * (n_head + 2 * n_kv) + h) * CHUNKS;  // in float8s
     float8 q[CHUNKS], acc[CHUNKS];
     for (int c = 0; c < CHUNKS; c++) {
         q[c] = vload8(query + c, qkv);
         acc[c] = 0.0f;
     }
+    // Eight positions at a time: their scores, one rescaling of the sums for all eight, and their weights as
+    // one vector exp (one position at a time, two scalar exps a position bound the loop: 2.3x slower).
     float best = -INFINITY, total = 0.0f;
-    for (int p = first; p < n; p++) {
-        size_t base = ((size_t)cells[p] * n_kv + kv_head) * CHUNKS;
-        float8 products = 0.0f;
+    for (int p0 = from; p0 < to; p0 += 8) {
+        int count = min(8, to - p0);
+        float scores[8];
+        for (int j = 0; j < 8; j++) {
+            float8 products = 0.0f;
+            if (j < count) {
+                size_t base = ((size_t)cells[p0 + j] * n_kv + kv_head) * CHUNKS;
+                for (int c = 0; c < CHUNKS; c++)
+                    products += q[c] * KV_LOAD8(base + c, keys);
+            }
+            scores[j] = j < count ? sum8(products) : -INFINITY;
+        }
+        float8 row = vload8(0, scores);
+        float4 pairs = fmax(row.lo, row.hi);
+        float top = fmax(best, fmax(fmax(pairs.x, pairs.y), fmax(pairs.z, pairs.w)));
+        float shrink = exp(best - top);
+        float8 weights = exp(row - top);  // a position past the part's end: exp(-inf) = 0
+        total = total * shrink + sum8(weights);
+        float w[8];
+        vstore8(weights, 0, w);
         for (int c = 0; c < CHUNKS; c++)
-            products += q[c] * KV_LOAD8(base + c, keys);
-        float score = products.s0 + products.s1 + products.s2 + products.s3 + products.s4 + products.s5
-                    + products.s6 + products.s7;
-        float top = fmax(best, score);
-        float shrink = exp(best - top), weight = exp(score - top);
-        total = total * shrink + weight;
-        for (int c = 0; c < CHUNKS; c++)
-            acc[c] = acc[c] * shrink + weight * KV_LOAD8(base + c, values);
+            acc[c] *= shrink;
+        for (int j = 0; j < count; j++) {
+            size_t base = ((size_t)cells[p0 + j] * n_kv + kv_head) * CHUNKS;
+            for (int c = 0; c < CHUNKS; c++)
+                acc[c] += w[j] * KV_LOAD8(base + c, values);
+        }
         best = top;
+    }
+    __global float *part = parts + (((size_t)t * n_head + h) * SPLITS + split) * PART;
+    part[0] = best;
+    part[1] = total;
+    for (int c = 0; c < CHUNKS; c++)
+        vstore8(acc[c], 0, part + 2 + 8 * c);
+}
+
+// One query head of one token (a work-item): its parts joined, each weighed by exp(its maximum - theirs).
+__kernel void attention_join(__global const float *parts, __global float *out) {
+    int h = get_global_id(0), t = get_global_id(1), n_head = get_global_size(0);
+    __global const float *part = parts + ((size_t)t * n_head + h) * SPLITS * PART;
+    float best = -INFINITY;
+    for (int s = 0; s < SPLITS; s++)
+        best = fmax(best, part[s * PART]);
+    float8 acc[CHUNKS];
+    for (int c = 0; c < CHUNKS; c++)
+        acc[c] = 0.0f;
+    float total = 0.0f;
+    for (int s = 0; s < SPLITS; s++) {
+        float weight = part[s * PART] == -INFINITY ? 0.0f : exp(part[s * PART] - best);  // an empty part: none
+        total += weight * part[s * PART + 1];
+        for (int c = 0; c < CHUNKS; c++)
+            acc[c] += weight * vload8(0, part + s * PART + 2 + 8 * c);
     }
     for (int c = 0; c < CHUNKS; c++)
         vstore8(acc[c] / total, ((size_t)t * n_head + h) * CHUNKS + c, out);

@@ -4,17 +4,19 @@
 // (dequantize_<type>) and multiplied by the tokens' rows in tiles (gemm): unpacking a block once serves
 // every token, where a product per token would unpack it again for each.
 //
-// OpenCL C 1.2 core only. Each work-item takes ROWS rows, so that every block of x it loads serves ROWS rows,
-// and keeps each row's sum in a vector reduced once at the end. Measured on PoCL (2 cores, Q4_1 4096x4096):
-// one row a work-item reducing every block 4.8 GB/s, a vector sum 6.3, four rows 9.5. The quantized types
-// come in the "flat" layout, each block's scale (and minimum) in one buffer and its codes in another, so
-// every load is aligned and as wide as the codes:
+// OpenCL C 1.2 core only. Each work-item takes ROWS rows (2, 4 or 8: set at build, chosen per device by
+// tuning.py), so that every block of x it loads serves ROWS rows, and keeps each row's sum in a vector
+// reduced once at the end. The quantized types come in the "flat" layout, each block's scale (and minimum)
+// in one buffer and its codes in another, so every load is aligned and as wide as the codes:
 //   Q4_0: value = (q - 8) * d, 32 codes of 4 bits a block; GGUF packs element j with element j + 16
 //   Q4_1: value = q * d + m
 //   Q8_0: value = q * d, q signed
-// Scales are halves, read with vload_half: no fp16 extension is needed.
+// A block's offset (Q4_0's -8 d, Q4_1's m) multiplies the block's sum of x, computed once for all ROWS rows.
+// Scales are halves, read as bits (half_bits): no fp16 extension is needed.
 
+#ifndef ROWS
 #define ROWS 4
+#endif
 
 float sum16(float16 v) {
     float8 a = v.lo + v.hi;
@@ -27,10 +29,25 @@ float sum8(float8 v) {
     return b.x + b.y + b.z + b.w;
 }
 
+// A half's value from its bits, without branches: moved into a float's places, the bits read as the value
+// times 2^-112, subnormal halves included (scales are never infinite or NaN). PoCL's scalar vload_half
+// branches on the exponent, which cost the 4-bit products a third of their speed (scripts/bench_opencl.py).
+float half_bits(ushort h) {
+    return as_float(((uint)(h & 0x8000) << 16) | ((uint)(h & 0x7fff) << 13)) * 0x1p112f;
+}
+
 // Row j of this work-item's ROWS, as an index; past the last row it repeats the last row, whose
 // result is then not written.
 #define ROW(j) min(get_global_id(0) * ROWS + (j), (size_t)n - 1)
+#if ROWS == 2
+#define FOR_ROWS(STEP) STEP(0) STEP(1)
+#elif ROWS == 4
 #define FOR_ROWS(STEP) STEP(0) STEP(1) STEP(2) STEP(3)
+#elif ROWS == 8
+#define FOR_ROWS(STEP) STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+#else
+#error ROWS must be 2, 4 or 8
+#endif
 #define PUT(j, value)                                                                                       \
     if (get_global_id(0) * ROWS + (j) < n)                                                                  \
         y[at + ROW(j)] = bias ? (value) + bias[ROW(j)] : (value);
@@ -38,6 +55,16 @@ float sum8(float8 v) {
 // 4-bit codes of one block as floats: elements 0-15 (low nibbles) and 16-31 (high nibbles).
 #define LOW(codes) convert_float16((codes) & (uchar16)0xF)
 #define HIGH(codes) convert_float16((codes) >> (uchar16)4)
+// The dot product of a block's 32 values, as 16 floats for elements 0-15 and 16-31, with x's (xl, xh), in
+// eight lanes.
+#define DOT32(L, H) ((L).lo * xl.lo + (L).hi * xl.hi + (H).lo * xh.lo + (H).hi * xh.hi)
+// The loop over a row's blocks of 32, x's block loaded once for all ROWS rows, with its sum.
+#define FOR_BLOCKS(STEP)                                                                                    \
+    for (int b = 0; b < k / 32; b++) {                                                                      \
+        float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);                              \
+        float block_sum = sum16(xl + xh);                                                                   \
+        FOR_ROWS(STEP)                                                                                      \
+    }
 
 __kernel void matvec_f32(__global const float *w, __global const float *x, __global float *y,
                          __global const float *bias, int k, int at, int n) {
@@ -67,67 +94,57 @@ __kernel void matvec_f16(__global const half *w, __global const float *x, __glob
     FOR_ROWS(F16_TAIL)
 }
 
-#define BLOCKS_START(j) size_t f##j = ROW(j) * (size_t)(k / 32); float16 a##j = 0.0f;
+// Each row's sums: its products in eight lanes, and its blocks' offsets times their sums of x.
+#define BLOCKS_START(j) size_t f##j = ROW(j) * (size_t)(k / 32); float8 a##j = 0.0f; float m##j = 0.0f;
+#define BLOCKS_END(j) PUT(j, sum8(a##j) + m##j)
+// A block's codes widened to ints once; its nibbles from them.
+#define NIBBLES(j) int16 c = convert_int16(vload16(f##j + b, q)); float16 lo = convert_float16(c & 15), hi = convert_float16(c >> 4);
 
-__kernel void matvec_q4_0(__global const half *d, __global const uchar *q, __global const float *x,
+__kernel void matvec_q4_0(__global const ushort *d, __global const uchar *q, __global const float *x,
                           __global float *y, __global const float *bias, int k, int at, int n) {
-#define Q4_0_STEP(j) { uchar16 c = vload16(f##j + b, q); a##j += vload_half(f##j + b, d) * ((LOW(c) - 8.0f) * xl + (HIGH(c) - 8.0f) * xh); }
-#define Q4_0_END(j) PUT(j, sum16(a##j))
+#define Q4_0_STEP(j) { NIBBLES(j) float s = half_bits(d[f##j + b]); a##j += s * DOT32(lo, hi); m##j -= 8.0f * s * block_sum; }
     FOR_ROWS(BLOCKS_START)
-    for (int b = 0; b < k / 32; b++) {
-        float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);
-        FOR_ROWS(Q4_0_STEP)
-    }
-    FOR_ROWS(Q4_0_END)
+    FOR_BLOCKS(Q4_0_STEP)
+    FOR_ROWS(BLOCKS_END)
 }
 
-__kernel void matvec_q4_1(__global const half *d, __global const half *m, __global const uchar *q,
+__kernel void matvec_q4_1(__global const ushort *d, __global const ushort *m, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
-#define Q4_1_START(j) BLOCKS_START(j) float m##j = 0.0f;
-#define Q4_1_STEP(j) { uchar16 c = vload16(f##j + b, q); a##j += vload_half(f##j + b, d) * (LOW(c) * xl + HIGH(c) * xh); m##j += vload_half(f##j + b, m) * block_sum; }
-#define Q4_1_END(j) PUT(j, sum16(a##j) + m##j)
-    FOR_ROWS(Q4_1_START)
-    for (int b = 0; b < k / 32; b++) {
-        float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);
-        float block_sum = sum16(xl + xh);
-        FOR_ROWS(Q4_1_STEP)
-    }
-    FOR_ROWS(Q4_1_END)
+#define Q4_1_STEP(j) { NIBBLES(j) a##j += half_bits(d[f##j + b]) * DOT32(lo, hi); m##j += half_bits(m[f##j + b]) * block_sum; }
+    FOR_ROWS(BLOCKS_START)
+    FOR_BLOCKS(Q4_1_STEP)
+    FOR_ROWS(BLOCKS_END)
 }
 
-__kernel void matvec_q8_0(__global const half *d, __global const char *q, __global const float *x,
+__kernel void matvec_q8_0(__global const ushort *d, __global const char *q, __global const float *x,
                           __global float *y, __global const float *bias, int k, int at, int n) {
-#define Q8_0_STEP(j) a##j += vload_half(f##j + b, d) * (convert_float16(vload16(2 * (f##j + b), q)) * xl + convert_float16(vload16(2 * (f##j + b) + 1, q)) * xh);
-#define Q8_0_END(j) PUT(j, sum16(a##j))
+#define Q8_0_STEP(j) {                                                                                      \
+        float16 lo = convert_float16(vload16(2 * (f##j + b), q)), hi = convert_float16(vload16(2 * (f##j + b) + 1, q)); \
+        a##j += half_bits(d[f##j + b]) * DOT32(lo, hi); }
     FOR_ROWS(BLOCKS_START)
-    for (int b = 0; b < k / 32; b++) {
-        float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);
-        FOR_ROWS(Q8_0_STEP)
-    }
-    FOR_ROWS(Q8_0_END)
+    FOR_BLOCKS(Q8_0_STEP)
+    FOR_ROWS(BLOCKS_END)
 }
 
 // Q5_0: value = (q - 16) * d, q's low 4 bits packed as Q4_0's and its fifth bits in a 32-bit word a block
-// (bit j for element j): q - 16 of 16 elements from `first` on, given their low 4 bits.
+// (bit j for element j): q of 16 elements from `first` on, given their low 4 bits.
 float16 q5_0_codes(float16 low, uint high, uint first) {
     const uint16 bits = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return low + 16.0f * convert_float16(((uint16)high >> (bits + first)) & 1u) - 16.0f;
+    return low + 16.0f * convert_float16(((uint16)high >> (bits + first)) & 1u);
 }
 
-__kernel void matvec_q5_0(__global const half *d, __global const uint *high, __global const uchar *q,
+__kernel void matvec_q5_0(__global const ushort *d, __global const uint *high, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
 #define Q5_0_STEP(j) {                                                                                      \
         uchar16 c = vload16(f##j + b, q);                                                                   \
         uint h = high[f##j + b];                                                                            \
-        a##j += vload_half(f##j + b, d) * (q5_0_codes(LOW(c), h, 0) * xl + q5_0_codes(HIGH(c), h, 16) * xh); }
+        float s = half_bits(d[f##j + b]);                                                                   \
+        a##j += s * DOT32(q5_0_codes(LOW(c), h, 0), q5_0_codes(HIGH(c), h, 16)); m##j -= 16.0f * s * block_sum; }
     FOR_ROWS(BLOCKS_START)
-    for (int b = 0; b < k / 32; b++) {
-        float16 xl = vload16(0, x + b * 32), xh = vload16(0, x + b * 32 + 16);
-        FOR_ROWS(Q5_0_STEP)
-    }
-    FOR_ROWS(Q8_0_END)
+    FOR_BLOCKS(Q5_0_STEP)
+    FOR_ROWS(BLOCKS_END)
 }
 
 // K-quants: super-blocks of 256 elements.
@@ -141,12 +158,12 @@ int2 q4_k_scale_min(__global const uchar *s, int i) {
                  : (int2)((s[i + 4] & 15) | ((s[i - 4] >> 6) << 4), (s[i + 4] >> 4) | ((s[i] >> 6) << 4));
 }
 
-__kernel void matvec_q4_k(__global const half *d, __global const half *dmin, __global const uchar *scales,
+__kernel void matvec_q4_k(__global const ushort *d, __global const ushort *dmin, __global const uchar *scales,
                           __global const uchar *q, __global const float *x, __global float *y,
                           __global const float *bias, int k, int at, int n) {
 #define Q4_K_STEP(j) {                                                                                      \
         __global const uchar *sc = scales + (s##j + b) * 12;                                                \
-        float dd = vload_half(s##j + b, d), dm = vload_half(s##j + b, dmin);                                \
+        float dd = half_bits(d[s##j + b]), dm = half_bits(dmin[s##j + b]);                                  \
         for (int g = 0; g < 4; g++) {                                                                       \
             int2 lo = q4_k_scale_min(sc, 2 * g), hi = q4_k_scale_min(sc, 2 * g + 1);                       \
             uchar16 c0 = vload16(0, q + (s##j + b) * 128 + g * 32), c1 = vload16(0, q + (s##j + b) * 128 + g * 32 + 16); \
@@ -178,27 +195,27 @@ float16 q6_k_codes(__global const uchar *ql, __global const uchar *qh, size_t sb
 }
 
 __kernel void matvec_q6_k(__global const uchar *ql, __global const uchar *qh, __global const char *scales,
-                          __global const half *d, __global const float *x, __global float *y,
+                          __global const ushort *d, __global const float *x, __global float *y,
                           __global const float *bias, int k, int at, int n) {
 #define Q6_K_STEP(j) {                                                                                      \
         size_t sb = s##j + b;                                                                               \
-        float dd = vload_half(sb, d);                                                                       \
+        float dd = half_bits(d[sb]);                                                                        \
         for (int h = 0; h < 2; h++)                                                                         \
             for (int s = 0; s < 4; s++)                                                                     \
                 for (int i0 = 0; i0 < 32; i0 += 16) {                                                       \
                     float scale = dd * scales[sb * 16 + 8 * h + 2 * s + i0 / 16];                          \
                     a##j += scale * q6_k_codes(ql, qh, sb, h, s, i0) * xs[8 * h + 2 * s + i0 / 16];         \
                 } }
-    size_t s0 = ROW(0) * (size_t)(k / 256), s1 = ROW(1) * (size_t)(k / 256);
-    size_t s2 = ROW(2) * (size_t)(k / 256), s3 = ROW(3) * (size_t)(k / 256);
-    float16 a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#define Q6_K_START(j) size_t s##j = ROW(j) * (size_t)(k / 256); float16 a##j = 0.0f;
+#define Q6_K_END(j) PUT(j, sum16(a##j))
+    FOR_ROWS(Q6_K_START)
     for (int b = 0; b < k / 256; b++) {
         float16 xs[16];
         for (int i = 0; i < 16; i++)
             xs[i] = vload16(0, x + b * 256 + i * 16);
         FOR_ROWS(Q6_K_STEP)
     }
-    FOR_ROWS(Q8_0_END)
+    FOR_ROWS(Q6_K_END)
 }
 
 // -- for a prompt: dequantize, then multiply in tiles ---------------------------------------------------------
@@ -208,43 +225,43 @@ __kernel void dequantize_f16(__global const half *w, __global float *out) {
     out[get_global_id(0)] = vload_half(get_global_id(0), w);
 }
 
-__kernel void dequantize_q4_0(__global const half *d, __global const uchar *q, __global float *out) {
+__kernel void dequantize_q4_0(__global const ushort *d, __global const uchar *q, __global float *out) {
     size_t b = get_global_id(0);
     uchar16 c = vload16(b, q);
-    float scale = vload_half(b, d);
+    float scale = half_bits(d[b]);
     vstore16((LOW(c) - 8.0f) * scale, 2 * b, out);
     vstore16((HIGH(c) - 8.0f) * scale, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q4_1(__global const half *d, __global const half *m, __global const uchar *q,
+__kernel void dequantize_q4_1(__global const ushort *d, __global const ushort *m, __global const uchar *q,
                               __global float *out) {
     size_t b = get_global_id(0);
     uchar16 c = vload16(b, q);
-    float scale = vload_half(b, d), least = vload_half(b, m);
+    float scale = half_bits(d[b]), least = half_bits(m[b]);
     vstore16(LOW(c) * scale + least, 2 * b, out);
     vstore16(HIGH(c) * scale + least, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q5_0(__global const half *d, __global const uint *high, __global const uchar *q,
+__kernel void dequantize_q5_0(__global const ushort *d, __global const uint *high, __global const uchar *q,
                               __global float *out) {
     size_t b = get_global_id(0);
     uchar16 c = vload16(b, q);
-    float scale = vload_half(b, d);
-    vstore16(q5_0_codes(LOW(c), high[b], 0) * scale, 2 * b, out);
-    vstore16(q5_0_codes(HIGH(c), high[b], 16) * scale, 2 * b + 1, out);
+    float scale = half_bits(d[b]);
+    vstore16((q5_0_codes(LOW(c), high[b], 0) - 16.0f) * scale, 2 * b, out);
+    vstore16((q5_0_codes(HIGH(c), high[b], 16) - 16.0f) * scale, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q8_0(__global const half *d, __global const char *q, __global float *out) {
+__kernel void dequantize_q8_0(__global const ushort *d, __global const char *q, __global float *out) {
     size_t b = get_global_id(0);
-    float scale = vload_half(b, d);
+    float scale = half_bits(d[b]);
     vstore16(convert_float16(vload16(2 * b, q)) * scale, 2 * b, out);
     vstore16(convert_float16(vload16(2 * b + 1, q)) * scale, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q4_k(__global const half *d, __global const half *dmin, __global const uchar *scales,
+__kernel void dequantize_q4_k(__global const ushort *d, __global const ushort *dmin, __global const uchar *scales,
                               __global const uchar *q, __global float *out) {
     size_t sb = get_global_id(0);
-    float dd = vload_half(sb, d), dm = vload_half(sb, dmin);
+    float dd = half_bits(d[sb]), dm = half_bits(dmin[sb]);
     for (int g = 0; g < 4; g++) {
         int2 lo = q4_k_scale_min(scales + sb * 12, 2 * g), hi = q4_k_scale_min(scales + sb * 12, 2 * g + 1);
         for (int half16 = 0; half16 < 2; half16++) {
@@ -256,9 +273,9 @@ __kernel void dequantize_q4_k(__global const half *d, __global const half *dmin,
 }
 
 __kernel void dequantize_q6_k(__global const uchar *ql, __global const uchar *qh, __global const char *scales,
-                              __global const half *d, __global float *out) {
+                              __global const ushort *d, __global float *out) {
     size_t sb = get_global_id(0);
-    float dd = vload_half(sb, d);
+    float dd = half_bits(d[sb]);
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
             for (int i0 = 0; i0 < 32; i0 += 16) {

@@ -1,0 +1,130 @@
+"""How the matrix-vector products run on a device: measured at the first load there, then kept.
+
+Each ``matvec_<type>`` kernel takes ``ROWS`` rows a work-item (2, 4 or 8, set when ``products.cl`` is
+built) and runs in work-groups of a size the driver picks or one we name. Which is fastest depends on the
+device and on the matrix: a CPU driver such as PoCL wants few, long work-items in as many groups as it has
+cores, a GPU many, in groups its schedulers fill, and a small matrix gives either less to share out. So the
+first load of a model times every shape on each of its matrices' types and sizes, and keeps the fastest
+for each, in the cache folder under a digest of the device, its driver and the kernels' source: a new
+driver or a changed kernel measures again. A decode step streams every weight from memory once, so each
+timed run starts with the device's caches emptied (a read of a buffer larger than them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyopencl as cl
+
+from edgeinfer.files import write_atomic
+from edgeinfer.system import cache_dir
+
+ROWS_CHOICES = (2, 4, 8)
+LOCAL_CHOICES = (None, 32, 64)  # None: the driver's choice
+RUNS = 5  # timed runs of each shape, after one to warm up; the median counts
+FLUSH_BYTES = 256 << 20  # read before each timed run: more than any device's last-level cache
+FLUSH = """
+__kernel void flush(__global const float4 *src, __global float *dst) {
+    float4 v = src[get_global_id(0)];
+    if (v.x == 12345.0f) dst[0] = v.y;  // never true: the read cannot be left out
+}
+"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Rows a work-item, and work-items a group (None: the driver chooses)."""
+
+    rows: int = 4
+    local: int | None = None
+
+    def global_size(self, n: int) -> int:
+        """Work-items for ``n`` rows, rounded up to whole groups: the kernels skip rows past ``n``."""
+        items = -(-n // self.rows)
+        return items if self.local is None else -(-items // self.local) * self.local
+
+    def local_size(self) -> tuple[int, int] | None:
+        """The group size over (rows, tokens): a chunk's tokens are its second dimension."""
+        return None if self.local is None else (self.local, 1)
+
+
+SHAPES = tuple(Shape(rows, local) for rows in ROWS_CHOICES for local in LOCAL_CHOICES)
+
+
+def tuning_path(device: cl.Device, source: str) -> Path:
+    """The record of ``device``'s shapes for kernels built from ``source``."""
+    identity = "\n".join(
+        (device.platform.name, device.platform.version, device.name, device.version, device.driver_version, source)
+    )
+    return cache_dir() / "opencl" / f"shapes-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+
+def recorded_shapes(path: Path) -> dict[str, Shape]:
+    """The shapes measured before, by type name; none if there is no record or it cannot be read (then the
+    types are measured again)."""
+    try:
+        record = json.loads(path.read_bytes())
+        return {name: _shape(fields) for name, fields in record.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def record_shapes(path: Path, shapes: dict[str, Shape]) -> None:
+    """Keep ``shapes``; an unwritable cache only means measuring again at the next load."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({name: asdict(shape) for name, shape in sorted(shapes.items())}) + "\n")
+    except OSError:
+        pass
+
+
+def shape_key(type_name: str, n: int, k: int) -> str:
+    """How a record names a product: its type and size."""
+    return f"{type_name} {n}x{k}"
+
+
+class Timer:
+    """Times kernels on a device from a cold cache, by its own timestamps."""
+
+    def __init__(self, context: cl.Context) -> None:
+        self.queue = cl.CommandQueue(context, properties=cl.command_queue_properties.PROFILING_ENABLE)
+        self._flush = cl.Kernel(cl.Program(context, FLUSH).build(), "flush")
+        self._flush_buffers = (cl.Buffer(context, cl.mem_flags.READ_ONLY, FLUSH_BYTES),
+                               cl.Buffer(context, cl.mem_flags.WRITE_ONLY, 4))  # fmt: skip
+        self._flush.set_args(*self._flush_buffers)
+
+    def fastest(self, launch: Callable[[Shape], tuple[cl.Kernel, int]]) -> tuple[Shape, float]:
+        """The shape whose launch (its kernel and the rows it covers) runs fastest, and its median seconds. A
+        shape the device refuses (a group larger than it allows) is skipped."""
+        timings = {}
+        for shape in SHAPES:
+            kernel, n = launch(shape)
+            try:
+                timings[shape] = self.median_seconds(kernel, (shape.global_size(n), 1), shape.local_size())
+            except cl.Error:
+                continue
+        best = min(timings, key=timings.__getitem__)
+        return best, timings[best]
+
+    def median_seconds(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...] | None = None) -> float:
+        """Median seconds of ``RUNS`` runs of ``kernel``, each after the caches are emptied, after a warm-up."""
+        cl.enqueue_nd_range_kernel(self.queue, kernel, size, local).wait()
+        times = []
+        for _ in range(RUNS):
+            cl.enqueue_nd_range_kernel(self.queue, self._flush, (FLUSH_BYTES // 16,), None)
+            event = cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+            event.wait()
+            times.append((event.profile.end - event.profile.start) * 1e-9)
+        return statistics.median(times)
+
+
+def _shape(fields: dict) -> Shape:
+    shape = Shape(int(fields["rows"]), None if fields["local"] is None else int(fields["local"]))
+    if shape not in SHAPES:
+        raise ValueError(f"no such shape: {shape}")
+    return shape
