@@ -169,9 +169,9 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
             assert np.abs(out - truth).max() <= 1e-4 * np.abs(truth).max(), shape
 
 
-def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch):
-    """A first load times the products' shapes and records them under the device; a second load reads the record
-    (an unreadable one is measured again)."""
+def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch, caplog):
+    """A first load times the products' shapes, saying so as it goes (the command shows it on a terminal), and
+    records them under the device; a second load reads the record (an unreadable one is measured again)."""
     from edgeinfer.backends.opencl import tuning
 
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
@@ -179,8 +179,11 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch)
     timed = []
     real = tuning.Timer.fastest
     monkeypatch.setattr(tuning.Timer, "fastest", lambda self, launch: timed.append(1) or real(self, launch))
-    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+    with caplog.at_level("INFO", "edgeinfer"), closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         shapes = backend._shapes
+    progress = [r for r in caplog.records if "timing the OpenCL products of tiny.gguf" in r.getMessage()]
+    assert [r.progress for r in progress] == [True] * (len(shapes) - 1) + [False]
+    assert progress[-1].getMessage().endswith(f"{len(shapes)} of {len(shapes)}")
     (record,) = (tmp_path / "cache" / "opencl").glob("shapes-*.json")
     # Q, K and V stacked; the attention's output; gate and up stacked; down; the head (tied: the embedding).
     assert set(shapes) == {"Q8_0 256x128", "Q8_0 128x128", "Q8_0 512x128", "Q8_0 128x256", "Q8_0 275x128"}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from .tuning import Shape, Timer, record_shapes, recorded_shapes, shape_key, tun
 if not opencl_devices():  # as a backend whose library is missing: it cannot load here, whatever the model
     raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
 
+log = logging.getLogger("edgeinfer.backends.opencl")
 KERNELS = Path(__file__).parent / "kernels"
 # The matrix types with a kernel of their own; a model with another is refused, naming it.
 MATVEC_TYPES = (QType.F32, QType.F16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q6_K)
@@ -401,7 +403,15 @@ class OpenCLBackend(PooledBackend):
         missing = {key: names for key, names in products.items() if key not in shapes}
         if missing:
             timer = Timer(self._context)
-            for key, names in missing.items():
+            for done, (key, names) in enumerate(missing.items()):
+                log.info(
+                    "timing the OpenCL products of %s on %s, once for this device: %d of %d",
+                    info.path.name,
+                    self.device.name,
+                    done + 1,
+                    len(missing),
+                    extra={"progress": done + 1 < len(missing)},  # rewritten in place on a terminal (notes.py)
+                )
                 matrix = self._upload_matrix(tensors, names)
                 x, y = self._buffer(np.ones(matrix.k, np.float32)), self._scratch(4 * matrix.n)
 
