@@ -142,7 +142,8 @@ def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatc
 @pytest.mark.parametrize("type_name", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, type_name):
     """The tuning picks rows a work-item and group sizes by speed, so each machine may run another shape: every
-    shape gives the product of the file's weights (a row count that fills no whole group of any size, 200)."""
+    shape gives the product of the file's weights, and writes no row past the matrix's (203 rows: the last
+    work-item of 2, 4 or 8 rows has rows past the end, and no group size divides the work-items)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -153,7 +154,7 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     if not quantize.available(kind):
         pytest.skip(f"{type_name} blocks come from ggml's quantizer, which needs llama.cpp's library")
     rng = np.random.default_rng(0)
-    n, k = 200, 512
+    n, k, past = 203, 512, 16
     weights = rng.standard_normal((n, k)).astype(np.float32)
     floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
     raw = weights.astype(floats[kind]).view(np.uint8) if kind in floats else quantize.quantize(weights, kind)
@@ -161,12 +162,14 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         matrix = backend._matrix_of(kind, raw, k)
-        xs, y = backend._buffer(x), backend._scratch(4 * n)
+        xs, y = backend._buffer(x), backend._scratch(4 * (n + past))
         for shape in SHAPES:
+            cl.enqueue_copy(backend._queue, y, np.full(n + past, np.nan, np.float32))  # what a shape leaves shows
             backend._matvec(matrix, xs, y, None, 0, shape).enqueue(backend._queue)
-            out = np.empty(n, np.float32)
+            out = np.empty(n + past, np.float32)
             cl.enqueue_copy(backend._queue, out, y)
-            assert np.abs(out - truth).max() <= 1e-4 * np.abs(truth).max(), shape
+            assert np.abs(out[:n] - truth).max() <= 1e-4 * np.abs(truth).max(), shape
+            assert np.isnan(out[n:]).all(), shape
 
 
 def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch, caplog):
@@ -191,7 +194,7 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     timed.clear()
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         assert backend._shapes == shapes and not timed
-    record.write_text("{not json")
+    record.write_text('{"Q8_0 128x128": {"local": null}}')  # a field missing: as unreadable as no JSON
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:  # timed again: maybe not alike
         assert set(backend._shapes) == set(shapes) and len(timed) == len(shapes)
     assert tuning.recorded_shapes(record) == backend._shapes
@@ -213,3 +216,24 @@ def test_attention_split_over_a_long_context_agrees_with_the_reference(tmp_path)
     ours = logits_of(OpenCLBackend, info, tokens, "f32")
     divergence, agree = kld(truth, ours), top1(truth, ours)
     assert divergence <= 1e-6 and agree == 1.0, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
+
+
+def test_half_bits_reads_every_finite_half_as_its_value():
+    """The kernels read scales with products.cl's half_bits, not vload_half: every finite half, subnormals and
+    both zeros included, comes out as numpy reads it."""
+    from edgeinfer.backends.opencl.backend import KERNELS
+
+    _, cl_device = choose_device(None)
+    context = cl.Context([cl_device])
+    queue = cl.CommandQueue(context)
+    probe = "__kernel void read_halves(__global const ushort *h, __global float *out) {" \
+        " out[get_global_id(0)] = half_bits(h[get_global_id(0)]); }"  # fmt: skip
+    program = cl.Program(context, (KERNELS / "products.cl").read_text() + probe).build()
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    bits = bits[np.isfinite(bits.view(np.float16))]
+    out = np.empty(bits.size, np.float32)
+    flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+    halves, values = cl.Buffer(context, flags, hostbuf=bits), cl.Buffer(context, cl.mem_flags.WRITE_ONLY, out.nbytes)
+    program.read_halves(queue, (bits.size,), None, halves, values)
+    cl.enqueue_copy(queue, out, values)
+    assert np.array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pyopencl as cl
 
+from edgeinfer.errors import BackendError
 from edgeinfer.files import write_atomic
 from edgeinfer.system import cache_dir
 
@@ -70,7 +72,7 @@ def recorded_shapes(path: Path) -> dict[str, Shape]:
     try:
         record = json.loads(path.read_bytes())
         return {name: _shape(fields) for name, fields in record.items()}
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError, LookupError):
         return {}
 
 
@@ -96,6 +98,8 @@ class Timer:
         self._flush = cl.Kernel(cl.Program(context, FLUSH).build(), "flush")
         self._flush_buffers = (cl.Buffer(context, cl.mem_flags.READ_ONLY, FLUSH_BYTES),
                                cl.Buffer(context, cl.mem_flags.WRITE_ONLY, 4))  # fmt: skip
+        # Written once: a CPU driver's never-written buffer can be the system's one zero page, always cached.
+        cl.enqueue_fill_buffer(self.queue, self._flush_buffers[0], np.float32(1), 0, FLUSH_BYTES).wait()
         self._flush.set_args(*self._flush_buffers)
 
     def fastest(self, launch: Callable[[Shape], tuple[cl.Kernel, int]]) -> tuple[Shape, float]:
@@ -108,6 +112,8 @@ class Timer:
                 timings[shape] = self.median_seconds(kernel, (shape.global_size(n), 1), shape.local_size())
             except cl.Error:
                 continue
+        if not timings:
+            raise BackendError("the OpenCL device refused every shape of the matrix products; try another device")
         best = min(timings, key=timings.__getitem__)
         return best, timings[best]
 

@@ -29,11 +29,14 @@ float sum8(float8 v) {
     return b.x + b.y + b.z + b.w;
 }
 
-// A half's value from its bits, without branches: moved into a float's places, the bits read as the value
-// times 2^-112, subnormal halves included (scales are never infinite or NaN). PoCL's scalar vload_half
-// branches on the exponent, which cost the 4-bit products a third of their speed (scripts/bench_opencl.py).
+// A half's value from its bits, without branches (scales are never infinite or NaN): a normal half's exponent
+// rebased by 112 in a float's places, a subnormal one's 10 bits times 2^-24, so that no float is subnormal
+// (devices may flush those to zero). PoCL's scalar vload_half branches on the exponent, which cost the 4-bit
+// products a third of their speed (scripts/bench_opencl.py).
 float half_bits(ushort h) {
-    return as_float(((uint)(h & 0x8000) << 16) | ((uint)(h & 0x7fff) << 13)) * 0x1p112f;
+    uint magnitude = h & 0x7fff;
+    float value = magnitude < 0x400 ? (float)magnitude * 0x1p-24f : as_float((magnitude << 13) + 0x38000000u);
+    return as_float(as_uint(value) | ((uint)(h & 0x8000) << 16));
 }
 
 // Row j of this work-item's ROWS, as an index; past the last row it repeats the last row, whose
