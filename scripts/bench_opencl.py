@@ -3,7 +3,7 @@
 Times a plain copy kernel (float4 loads and stores over 256 MiB) and each type's decode product
 (``backends/opencl/kernels/products.cl``) on a 16384x8192 matrix in the layout the backend uploads,
 by the device's own event timestamps from an emptied cache, in every shape the backend's tuning
-tries (``tuning.py``), and prints the fastest shape's bytes read per second as a share of the copy's
+tries (``tuning.py``), and prints the fastest shape's bytes read per second (its layout's) as a share of the copy's
 (bytes read and written).
 
     python scripts/bench_opencl.py [--device 0:0]
@@ -19,7 +19,7 @@ import pyopencl as cl
 
 from edgeinfer.backends.opencl.backend import KERNELS
 from edgeinfer.backends.opencl.device import choose_device
-from edgeinfer.backends.opencl.tuning import ROWS_CHOICES, Shape, Timer
+from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer
 
 COPY = """
 __kernel void copy(__global const float4 *src, __global float4 *dst) {
@@ -30,27 +30,27 @@ __kernel void copy(__global const float4 *src, __global float4 *dst) {
 N, K = 16384, 8192
 # type: bytes of one 32-element block, as the backend's buffers hold it
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64, "f32": 128}
+# type: half scales a block has, which a shape may read widened to float32 (2 bytes more each)
+HALF_SCALE_COUNT = {"q4_0": 1, "q4_1": 2, "q8_0": 1}
 
 
-def buffers(context: cl.Context, kind: str, rng: np.random.Generator) -> list[cl.Buffer]:
-    """Random weights in the flat layout: scales (and minimums) apart from codes."""
+def buffers(context: cl.Context, kind: str, rng: np.random.Generator, float_scales: bool) -> list[cl.Buffer]:
+    """Random weights in the flat layout: scales (and minimums) apart from codes, as halves or widened."""
     blocks = N * K // 32
 
     def upload(array: np.ndarray) -> cl.Buffer:
         return cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=array)
 
-    scales = upload((rng.random(blocks) / 64).astype(np.float16))
+    def scales() -> cl.Buffer:
+        return upload((rng.random(blocks) / 64).astype(np.float32 if float_scales else np.float16))
+
     if kind == "f32":
         return [upload(rng.random(N * K, dtype=np.float32))]
     if kind == "f16":
         return [upload(rng.random(N * K).astype(np.float16))]
     if kind == "q4_1":
-        return [
-            scales,
-            upload(rng.random(blocks).astype(np.float16)),
-            upload(rng.integers(0, 256, blocks * 16, np.uint8)),
-        ]
-    return [scales, upload(rng.integers(0, 256, blocks * (16 if kind == "q4_0" else 32), np.uint8))]
+        return [scales(), scales(), upload(rng.integers(0, 256, blocks * 16, np.uint8))]
+    return [scales(), upload(rng.integers(0, 256, blocks * (16 if kind == "q4_0" else 32), np.uint8))]
 
 
 def main() -> None:
@@ -73,23 +73,25 @@ def main() -> None:
     print(f"{info.index} {info.name}: copy {stream / 1e9:.1f} GB/s (read and written)")
 
     source = (Path(KERNELS) / "products.cl").read_text()
-    programs = {rows: cl.Program(context, source).build(options=[f"-DROWS={rows}"]) for rows in ROWS_CHOICES}
+    programs = {shape: cl.Program(context, source).build(options=list(shape.defines())) for shape in SHAPES}
     x = cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=rng.random(K, dtype=np.float32))
     y = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, N * 4)
     for kind, block in BLOCK_BYTES.items():
-        weights = buffers(context, kind, rng)
+        half_scales = kind in HALF_SCALE_COUNT
+        layouts = {wide: buffers(context, kind, rng, wide) for wide in {False, half_scales}}
 
-        def launch(shape: Shape, kind: str = kind, weights: list[cl.Buffer] = weights) -> tuple[cl.Kernel, int]:
-            kernel = cl.Kernel(programs[shape.rows], f"matvec_{kind}")
-            kernel.set_args(*weights, x, y, None, np.int32(K), np.int32(0), np.int32(N))
+        def launch(shape: Shape, kind: str = kind, layouts: dict = layouts) -> tuple[cl.Kernel, int]:
+            kernel = cl.Kernel(programs[shape], f"matvec_{kind}")
+            kernel.set_args(*layouts[shape.float_scales], x, y, None, np.int32(K), np.int32(0), np.int32(N))
             return kernel, N
 
-        shape, seconds = timer.fastest(launch)
+        shape, seconds = timer.tune(launch, half_scales)
         groups = f"groups of {shape.local}" if shape.local else "groups the driver chose"
-        rate = N * K // 32 * block / seconds
+        read = N * K // 32 * (block + 2 * HALF_SCALE_COUNT.get(kind, 0) * shape.float_scales)
+        rate = read / seconds
         print(
             f"  {kind:<5} {N}x{K}: {seconds * 1e6:8.0f} us  {rate / 1e9:5.1f} GB/s  {rate / stream:5.0%} of the copy"
-            f"  ({shape.rows} rows a work-item, {groups})"
+            f"  ({shape.rows} rows a work-item, {groups}, {'float32' if shape.float_scales else 'half'} scales)"
         )
 
 

@@ -141,13 +141,14 @@ def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("type_name", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, type_name):
-    """The tuning picks rows a work-item and group sizes by speed, so each machine may run another shape: every
-    shape gives the product of the file's weights, and writes no row past the matrix's (203 rows: the last
-    work-item of 2, 4 or 8 rows has rows past the end, and no group size divides the work-items)."""
+    """The tuning picks rows a work-item, group sizes and the scales' layout by speed, so each machine may run
+    another shape: every shape gives the product of the file's weights, and writes no row past the matrix's
+    (203 rows: the last work-item of 2, 4 or 8 rows has rows past the end, and no group size divides them)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from edgeinfer.backends.opencl.tuning import SHAPES
+    from edgeinfer.backends.opencl.backend import HALF_SCALES
+    from edgeinfer.backends.opencl.tuning import shapes_for
     from edgeinfer.converters import quantize
 
     kind = GGMLQuantizationType[type_name]
@@ -161,9 +162,11 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     truth = dequantize(raw, kind).reshape(n, k).astype(np.float64) @ (x := rng.standard_normal(k).astype(np.float32))
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
-        matrix = backend._matrix_of(kind, raw, k)
+        layouts = {wide: backend._matrix_of(kind, raw, k, wide) for wide in (False, True)}
+        assert layouts[True].float_scales == (kind in HALF_SCALES)
         xs, y = backend._buffer(x), backend._scratch(4 * (n + past))
-        for shape in SHAPES:
+        for shape in shapes_for(kind in HALF_SCALES):
+            matrix = layouts[shape.float_scales]
             cl.enqueue_copy(backend._queue, y, np.full(n + past, np.nan, np.float32))  # what a shape leaves shows
             backend._matvec(matrix, xs, y, None, 0, shape).enqueue(backend._queue)
             out = np.empty(n + past, np.float32)
@@ -180,8 +183,8 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", tensor_type="Q8_0"))
     timed = []
-    real = tuning.Timer.fastest
-    monkeypatch.setattr(tuning.Timer, "fastest", lambda self, launch: timed.append(1) or real(self, launch))
+    real = tuning.Timer.tune
+    monkeypatch.setattr(tuning.Timer, "tune", lambda self, *args: timed.append(1) or real(self, *args))
     with caplog.at_level("INFO", "edgeinfer"), closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         shapes = backend._shapes
     progress = [r for r in caplog.records if "timing the OpenCL products of tiny.gguf" in r.getMessage()]

@@ -34,6 +34,7 @@ from gguf.quants import dequantize
 
 from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError
 from edgeinfer.models.arch import tensor_name
+from edgeinfer.models.gguf_file import TensorInfo
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import GGUFTensors, open_tensors
@@ -61,6 +62,9 @@ FLAT_PARTS: dict[QType, tuple[int, ...]] = {
     QType.Q4_K: (0, 2, 4, 16),  # d | dmin | 6-bit scales and minimums | codes
     QType.Q6_K: (0, 128, 192, 208),  # low 4 bits | high 2 bits | scales | d
 }
+# The flat parts (indices into FLAT_PARTS' buffers) that hold a block's half-precision scales, which a shape may
+# have uploaded as float32 (tuning.py).
+HALF_SCALES: dict[QType, tuple[int, ...]] = {QType.Q4_0: (0,), QType.Q4_1: (0, 1), QType.Q5_0: (0,), QType.Q8_0: (0,)}
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
 # Cells of the cache a part of attention covers when the cache is full: a decode step's attention over a long
 # context then runs as that many work-items a head, joined after.
@@ -78,6 +82,7 @@ class _Matrix:
     buffers: tuple[cl.Buffer, ...]
     n: int
     k: int
+    float_scales: bool = False  # its half scales widened to float32 (HALF_SCALES)
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,7 @@ class OpenCLBackend(PooledBackend):
         defines = [f"-DHEAD_DIM={hp.head_dim}", f"-DSPLITS={self._splits}"]
         defines += ["-DKV_HALF"] if options.kv_type == "f16" else []
         self._defines = defines
-        self._programs: dict[tuple[str, int], cl.Program] = {}
+        self._programs: dict[tuple[str, tuple[str, ...]], cl.Program] = {}
         tensors = self._stack.enter_context(open_tensors(info))
         self._shapes = self._tune(info, tensors)
         embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
@@ -256,10 +261,12 @@ class OpenCLBackend(PooledBackend):
             where the matrices share a type, else one each."""
             planned, at = [], 0
             for stack in _stacks(kinds, layer, types):
-                matrix = self._upload_matrix(tensors, [tensor_name(kind, layer) for kind in stack])
+                names = [tensor_name(kind, layer) for kind in stack]
+                shape = self._shapes[_product_key([tensors[name] for name in names])]
+                matrix = self._upload_matrix(tensors, names, shape.float_scales)
                 biases = [tensors.dequantize(tensor_name(kind, layer, "bias")) for kind in stack] if biased else []
                 bias = self._buffer(np.concatenate(biases)) if biased else None
-                planned.append(self._product(matrix, x, y, bias, at))
+                planned.append(self._product(matrix, shape, x, y, bias, at))
                 at += matrix.n
             return planned
 
@@ -301,8 +308,10 @@ class OpenCLBackend(PooledBackend):
             if layer + 1 < hp.n_layer:
                 body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.ATTN_NORM, layer + 1)))
         head = tensor_name(MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT)
-        head_product = self._product(self._upload_matrix(tensors, [head]), (self._last, hp.n_embd),
-                                     (self._logits, hp.n_vocab), None, 0, gemm=False)  # fmt: skip
+        shape = self._shapes[_product_key([tensors[head]])]
+        head_matrix = self._upload_matrix(tensors, [head], shape.float_scales)
+        last, logits = (self._last, hp.n_embd), (self._logits, hp.n_vocab)
+        head_product = self._product(head_matrix, shape, last, logits, None, 0, gemm=False)
         return body, add_norm(self._out, tensor_name(MODEL_TENSOR.OUTPUT_NORM)), head_product
 
     # -- contract -----------------------------------------------------------------------------------
@@ -379,21 +388,27 @@ class OpenCLBackend(PooledBackend):
     def _scratch(self, size: int) -> cl.Buffer:
         return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
 
-    def _program(self, name: str, rows: int = Shape().rows) -> cl.Program:
-        """``kernels/name`` built for this device (``products.cl`` with ``rows`` rows a work-item), once."""
-        if (name, rows) not in self._programs:
-            self._programs[name, rows] = self._build(name, [*self._defines, f"-DROWS={rows}"])
-        return self._programs[name, rows]
+    def _program(self, name: str, build: Shape | None = None) -> cl.Program:
+        """``kernels/name`` built for this device (``products.cl`` for the products of ``build``), once."""
+        options = build.defines() if build else ()
+        if (name, options) not in self._programs:
+            self._programs[name, options] = self._build(name, [*self._defines, *options])
+        return self._programs[name, options]
 
-    def _launch(self, program: str, name: str, size: int, *args: object, shape: Shape | None = None) -> Launch:
-        """``name`` of ``program`` with ``args`` set, over ``size`` work-items, or over ``size`` rows in ``shape``."""
-        if shape is None:
-            kernel = cl.Kernel(self._program(program), name)
-            kernel.set_args(*args)
-            return Launch(kernel, int(size), args)
-        kernel = cl.Kernel(self._program(program, shape.rows), name)
+    def _launch(
+        self,
+        program: str,
+        name: str,
+        size: int,
+        *args: object,
+        build: Shape | None = None,
+        local: tuple[int, int] | None = None,
+    ) -> Launch:
+        """``name`` of ``program`` (built for ``build``'s products) with ``args`` set, over ``size`` work-items
+        in groups of ``local`` (None: the driver's choice)."""
+        kernel = cl.Kernel(self._program(program, build), name)
         kernel.set_args(*args)
-        return Launch(kernel, shape.global_size(size), args, shape.local_size())
+        return Launch(kernel, int(size), args, local)
 
     def _tune(self, info: ModelInfo, tensors: GGUFTensors) -> dict[str, Shape]:
         """The shape of each product the model has (by ``shape_key``) on this device: recorded, or timed on the
@@ -412,13 +427,16 @@ class OpenCLBackend(PooledBackend):
                     len(missing),
                     extra={"progress": done + 1 < len(missing)},  # rewritten in place on a terminal (notes.py)
                 )
-                matrix = self._upload_matrix(tensors, names)
-                x, y = self._buffer(np.ones(matrix.k, np.float32)), self._scratch(4 * matrix.n)
+                kind = tensors[names[0]].type
+                layouts = {wide: self._upload_matrix(tensors, names, wide) for wide in {False, kind in HALF_SCALES}}
+                x = self._buffer(np.ones(layouts[False].k, np.float32))
+                y = self._scratch(4 * layouts[False].n)
 
-                def launch(shape: Shape, matrix: _Matrix = matrix, x: cl.Buffer = x, y: cl.Buffer = y):
+                def launch(shape: Shape, layouts: dict[bool, _Matrix] = layouts, x: cl.Buffer = x, y: cl.Buffer = y):
+                    matrix = layouts[shape.float_scales]
                     return self._matvec(matrix, x, y, None, 0, shape).kernel, matrix.n
 
-                shapes[key], _ = timer.fastest(launch)
+                shapes[key], _ = timer.tune(launch, kind in HALF_SCALES)
             record_shapes(path, shapes)  # with other models' sizes: the record is the device's
         return {key: shapes[key] for key in products}
 
@@ -436,21 +454,22 @@ class OpenCLBackend(PooledBackend):
         ]
         products: dict[str, list[str]] = {}
         for stack in [*stacks, [head]]:
-            first = by_name[stack[0]]
-            key = shape_key(first.type.name, sum(by_name[name].shape[1] for name in stack), first.shape[0])
-            products.setdefault(key, stack)
+            products.setdefault(_product_key([by_name[name] for name in stack]), stack)
         return products
 
     def _matvec(
         self, matrix: _Matrix, x: cl.Buffer, y: cl.Buffer, bias: cl.Buffer | None, at: int, shape: Shape
     ) -> Launch:
-        """``y[at:at + n] = W x (+ bias)``, by ``matrix``'s matrix-vector kernel in ``shape``."""
-        return self._launch("products.cl", f"matvec_{matrix.type.name.lower()}", matrix.n, *matrix.buffers, x, y,
-                            bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n), shape=shape)  # fmt: skip
+        """``y[at:at + n] = W x (+ bias)``, by ``matrix``'s matrix-vector kernel in ``shape`` (whose layout the
+        matrix was uploaded in)."""
+        return self._launch("products.cl", f"matvec_{matrix.type.name.lower()}", shape.global_size(matrix.n),
+                            *matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n),
+                            build=shape, local=shape.local_size())  # fmt: skip
 
     def _product(
         self,
         matrix: _Matrix,
+        shape: Shape,
         x: tuple[cl.Buffer, int],
         y: tuple[cl.Buffer, int],
         bias: cl.Buffer | None,
@@ -458,38 +477,45 @@ class OpenCLBackend(PooledBackend):
         *,
         gemm: bool = True,
     ) -> Product:
-        """``y[t][at:at + n] = W x[t] (+ bias)`` for each token t's row of x and y (buffer, row length)."""
+        """``y[t][at:at + n] = W x[t] (+ bias)`` for each token t's row of x and y (buffer, row length), a token
+        being decoded in ``shape``."""
         kind = matrix.type.name.lower()
-        one = self._matvec(matrix, x[0], y[0], bias, at, self._shapes[shape_key(matrix.type.name, matrix.n, matrix.k)])
+        one = self._matvec(matrix, x[0], y[0], bias, at, shape)
         if not gemm:  # the head: a chunk's logits are wanted a row at a time
             return Product(one, None, one.kernel, matrix.n, one.args)
         dequantize, weights = None, matrix.buffers[0]
         if matrix.type != QType.F32:
             items = matrix.n * matrix.k // DEQUANTIZED_PER_ITEM.get(matrix.type, 32)
-            dequantize = self._launch("products.cl", f"dequantize_{kind}", items, *matrix.buffers, self._dequantized)
+            dequantize = self._launch(
+                "products.cl", f"dequantize_{kind}", items, *matrix.buffers, self._dequantized, build=shape
+            )  # the program of the matrix's layout
             weights = self._dequantized
         args = (weights, x[0], y[0], bias, np.int32(matrix.k), np.int32(matrix.n), np.int32(1), np.int32(x[1]),
                 np.int32(y[1]), np.int32(at))  # fmt: skip
-        gemm_kernel = cl.Kernel(self._program("products.cl"), "gemm")
+        gemm_kernel = cl.Kernel(self._program("products.cl", shape), "gemm")
         gemm_kernel.set_args(*args)
         return Product(one, dequantize, gemm_kernel, matrix.n, args)
 
-    def _upload_matrix(self, tensors: GGUFTensors, names: list[str]) -> _Matrix:
+    def _upload_matrix(self, tensors: GGUFTensors, names: list[str], float_scales: bool) -> _Matrix:
         """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads."""
         first = tensors[names[0]]
         raw = np.concatenate([tensors.raw(name) for name in names]) if len(names) > 1 else tensors.raw(names[0])
-        return self._matrix_of(first.type, raw, first.shape[0])
+        return self._matrix_of(first.type, raw, first.shape[0], float_scales)
 
-    def _matrix_of(self, kind: QType, raw: np.ndarray, k: int) -> _Matrix:
+    def _matrix_of(self, kind: QType, raw: np.ndarray, k: int, float_scales: bool = False) -> _Matrix:
         """Rows of ``k`` values of type ``kind`` as the file holds them (a row of ``raw`` each), uploaded in the
-        layout the type's kernel reads."""
+        layout the type's kernel reads: the flat one, its half scales widened to float32 if ``float_scales``."""
         n = raw.shape[0]
         if kind not in FLAT_PARTS:
             return _Matrix(kind, (self._buffer(raw),), n, k)
         block, _ = GGML_QUANT_SIZES[kind]
         blocks = raw.reshape(n, k // block, -1)
         cuts = (*FLAT_PARTS[kind], blocks.shape[-1])
-        return _Matrix(kind, tuple(self._buffer(blocks[..., a:b]) for a, b in itertools.pairwise(cuts)), n, k)
+        parts = [np.ascontiguousarray(blocks[..., a:b]) for a, b in itertools.pairwise(cuts)]
+        wide = float_scales and kind in HALF_SCALES
+        for i in HALF_SCALES[kind] if wide else ():
+            parts[i] = parts[i].view(np.float16).astype(np.float32)
+        return _Matrix(kind, tuple(self._buffer(part) for part in parts), n, k, wide)
 
     def _upload_angles(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
         """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), into the buffers of its base."""
@@ -544,6 +570,11 @@ def _stacks(kinds: Sequence[MODEL_TENSOR], layer: int, types: dict[str, QType]) 
     return [list(kinds)] if len({types[tensor_name(kind, layer)] for kind in kinds}) == 1 else [[k] for k in kinds]
 
 
+def _product_key(stack: Sequence[TensorInfo]) -> str:
+    """How the tuning's record names the product of the matrices ``stack``, stacked by rows."""
+    return shape_key(stack[0].type.name, sum(t.shape[1] for t in stack), stack[0].shape[0])
+
+
 def _uploaded_bytes(info: ModelInfo) -> int:
     """Bytes the weights take on the device: the file's matrices as stored (the embedding stays on the host
     unless it is also the head), vectors as float32."""
@@ -552,7 +583,8 @@ def _uploaded_bytes(info: ModelInfo) -> int:
         if len(t.shape) == 1:
             total += 4 * t.shape[0]
         elif t.name != tensor_name(MODEL_TENSOR.TOKEN_EMBD) or info.hparams.tied_embeddings:
-            total += t.nbytes
+            blocks = math.prod(t.shape) // GGML_QUANT_SIZES[t.type][0]
+            total += t.nbytes + 2 * blocks * len(HALF_SCALES.get(t.type, ()))  # scales widened, if tuned so
     return total
 
 

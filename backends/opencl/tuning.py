@@ -1,7 +1,9 @@
 """How the matrix-vector products run on a device: measured at the first load there, then kept.
 
 Each ``matvec_<type>`` kernel takes ``ROWS`` rows a work-item (2, 4 or 8, set when ``products.cl`` is
-built) and runs in work-groups of a size the driver picks or one we name. Which is fastest depends on the
+built) and runs in work-groups of a size the driver picks or one we name; the types whose blocks carry
+half-precision scales read them as the file holds them, or widened to float32 at upload (more bytes, less
+arithmetic: a CPU device is bound by the second, a GPU by the first). Which is fastest depends on the
 device and on the matrix: a CPU driver such as PoCL wants few, long work-items in as many groups as it has
 cores, a GPU many, in groups its schedulers fill, and a small matrix gives either less to share out. So the
 first load of a model times every shape on each of its matrices' types and sizes, and keeps the fastest
@@ -28,8 +30,8 @@ from edgeinfer.system import cache_dir
 
 ROWS_CHOICES = (2, 4, 8)
 LOCAL_CHOICES = (None, 32, 64)  # None: the driver's choice
-RUNS = 5  # timed runs of each shape, after one to warm up; the median counts
-FLUSH_BYTES = 256 << 20  # read before each timed run: more than any device's last-level cache
+RUNS = 3  # timed runs of each shape, after one to warm up; the median counts
+FLUSH_BYTES = 64 << 20  # read before each timed run: more than the last-level cache of the devices we run
 FLUSH = """
 __kernel void flush(__global const float4 *src, __global float *dst) {
     float4 v = src[get_global_id(0)];
@@ -40,10 +42,16 @@ __kernel void flush(__global const float4 *src, __global float *dst) {
 
 @dataclass(frozen=True)
 class Shape:
-    """Rows a work-item, and work-items a group (None: the driver chooses)."""
+    """Rows a work-item, work-items a group (None: the driver chooses), and whether the blocks' half scales
+    are uploaded as float32."""
 
     rows: int = 4
     local: int | None = None
+    float_scales: bool = False
+
+    def defines(self) -> tuple[str, ...]:
+        """``products.cl``'s build options for this shape."""
+        return (f"-DROWS={self.rows}",) + (("-DSCALE_FLOAT",) if self.float_scales else ())
 
     def global_size(self, n: int) -> int:
         """Work-items for ``n`` rows, rounded up to whole groups: the kernels skip rows past ``n``."""
@@ -55,7 +63,12 @@ class Shape:
         return None if self.local is None else (self.local, 1)
 
 
-SHAPES = tuple(Shape(rows, local) for rows in ROWS_CHOICES for local in LOCAL_CHOICES)
+SHAPES = tuple(Shape(rows, local, wide) for wide in (False, True) for rows in ROWS_CHOICES for local in LOCAL_CHOICES)
+
+
+def shapes_for(half_scales: bool) -> tuple[Shape, ...]:
+    """The shapes to try for a type: float32 scales only where its blocks have half ones to widen."""
+    return SHAPES if half_scales else tuple(shape for shape in SHAPES if not shape.float_scales)
 
 
 def tuning_path(device: cl.Device, source: str) -> Path:
@@ -102,20 +115,33 @@ class Timer:
         cl.enqueue_fill_buffer(self.queue, self._flush_buffers[0], np.float32(1), 0, FLUSH_BYTES).wait()
         self._flush.set_args(*self._flush_buffers)
 
-    def fastest(self, launch: Callable[[Shape], tuple[cl.Kernel, int]]) -> tuple[Shape, float]:
-        """The shape whose launch (its kernel and the rows it covers) runs fastest, and its median seconds. A
-        shape the device refuses (a group larger than it allows) is skipped."""
+    def tune(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], half_scales: bool) -> tuple[Shape, float]:
+        """The fastest shape of a product whose launch in a shape is ``launch(shape)`` (its kernel and the rows it
+        covers), and its median seconds: the scales' layout chosen first (where the type has half scales), at
+        the default rows and groups, then rows and groups in that layout, which times half the shapes that
+        trying every one would (a first load on PoCL: 21 s)."""
+        wide = half_scales and self._seconds(launch, Shape(float_scales=True)) < self._seconds(launch, Shape())
+        return self.fastest(launch, tuple(shape for shape in SHAPES if shape.float_scales == wide))
+
+    def fastest(
+        self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shapes: tuple[Shape, ...] = SHAPES
+    ) -> tuple[Shape, float]:
+        """Of ``shapes``, the one whose launch runs fastest, and its median seconds. A shape the device refuses (a
+        group larger than it allows) is skipped."""
         timings = {}
-        for shape in SHAPES:
-            kernel, n = launch(shape)
+        for shape in shapes:
             try:
-                timings[shape] = self.median_seconds(kernel, (shape.global_size(n), 1), shape.local_size())
+                timings[shape] = self._seconds(launch, shape)
             except cl.Error:
                 continue
         if not timings:
             raise BackendError("the OpenCL device refused every shape of the matrix products; try another device")
         best = min(timings, key=timings.__getitem__)
         return best, timings[best]
+
+    def _seconds(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -> float:
+        kernel, n = launch(shape)
+        return self.median_seconds(kernel, (shape.global_size(n), 1), shape.local_size())
 
     def median_seconds(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...] | None = None) -> float:
         """Median seconds of ``RUNS`` runs of ``kernel``, each after the caches are emptied, after a warm-up."""
@@ -130,7 +156,8 @@ class Timer:
 
 
 def _shape(fields: dict) -> Shape:
-    shape = Shape(int(fields["rows"]), None if fields["local"] is None else int(fields["local"]))
+    local = None if fields["local"] is None else int(fields["local"])
+    shape = Shape(int(fields["rows"]), local, fields["float_scales"] is True)
     if shape not in SHAPES:
         raise ValueError(f"no such shape: {shape}")
     return shape

@@ -12,7 +12,8 @@
 //   Q4_1: value = q * d + m
 //   Q8_0: value = q * d, q signed
 // A block's offset (Q4_0's -8 d, Q4_1's m) multiplies the block's sum of x, computed once for all ROWS rows.
-// Scales are halves, read as bits (half_bits): no fp16 extension is needed.
+// These types' scales are halves, read as bits (half_bits: no fp16 extension is needed), or, built with
+// SCALE_FLOAT, float32 that the upload widened them to (tuning.py measures which is faster on the device).
 
 #ifndef ROWS
 #define ROWS 4
@@ -38,6 +39,14 @@ float half_bits(ushort h) {
     float value = magnitude < 0x400 ? (float)magnitude * 0x1p-24f : as_float((magnitude << 13) + 0x38000000u);
     return as_float(as_uint(value) | ((uint)(h & 0x8000) << 16));
 }
+
+#ifdef SCALE_FLOAT
+#define SCALE_T float
+#define SCALE(p, i) ((p)[i])
+#else
+#define SCALE_T ushort
+#define SCALE(p, i) half_bits((p)[i])
+#endif
 
 // Row j of this work-item's ROWS, as an index; past the last row it repeats the last row, whose
 // result is then not written.
@@ -103,28 +112,28 @@ __kernel void matvec_f16(__global const half *w, __global const float *x, __glob
 // A block's codes widened to ints once; its nibbles from them.
 #define NIBBLES(j) int16 c = convert_int16(vload16(f##j + b, q)); float16 lo = convert_float16(c & 15), hi = convert_float16(c >> 4);
 
-__kernel void matvec_q4_0(__global const ushort *d, __global const uchar *q, __global const float *x,
+__kernel void matvec_q4_0(__global const SCALE_T *d, __global const uchar *q, __global const float *x,
                           __global float *y, __global const float *bias, int k, int at, int n) {
-#define Q4_0_STEP(j) { NIBBLES(j) float s = half_bits(d[f##j + b]); a##j += s * DOT32(lo, hi); m##j -= 8.0f * s * block_sum; }
+#define Q4_0_STEP(j) { NIBBLES(j) float s = SCALE(d, f##j + b); a##j += s * DOT32(lo, hi); m##j -= 8.0f * s * block_sum; }
     FOR_ROWS(BLOCKS_START)
     FOR_BLOCKS(Q4_0_STEP)
     FOR_ROWS(BLOCKS_END)
 }
 
-__kernel void matvec_q4_1(__global const ushort *d, __global const ushort *m, __global const uchar *q,
+__kernel void matvec_q4_1(__global const SCALE_T *d, __global const SCALE_T *m, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
-#define Q4_1_STEP(j) { NIBBLES(j) a##j += half_bits(d[f##j + b]) * DOT32(lo, hi); m##j += half_bits(m[f##j + b]) * block_sum; }
+#define Q4_1_STEP(j) { NIBBLES(j) a##j += SCALE(d, f##j + b) * DOT32(lo, hi); m##j += SCALE(m, f##j + b) * block_sum; }
     FOR_ROWS(BLOCKS_START)
     FOR_BLOCKS(Q4_1_STEP)
     FOR_ROWS(BLOCKS_END)
 }
 
-__kernel void matvec_q8_0(__global const ushort *d, __global const char *q, __global const float *x,
+__kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __global const float *x,
                           __global float *y, __global const float *bias, int k, int at, int n) {
 #define Q8_0_STEP(j) {                                                                                      \
         float16 lo = convert_float16(vload16(2 * (f##j + b), q)), hi = convert_float16(vload16(2 * (f##j + b) + 1, q)); \
-        a##j += half_bits(d[f##j + b]) * DOT32(lo, hi); }
+        a##j += SCALE(d, f##j + b) * DOT32(lo, hi); }
     FOR_ROWS(BLOCKS_START)
     FOR_BLOCKS(Q8_0_STEP)
     FOR_ROWS(BLOCKS_END)
@@ -137,13 +146,13 @@ float16 q5_0_codes(float16 low, uint high, uint first) {
     return low + 16.0f * convert_float16(((uint16)high >> (bits + first)) & 1u);
 }
 
-__kernel void matvec_q5_0(__global const ushort *d, __global const uint *high, __global const uchar *q,
+__kernel void matvec_q5_0(__global const SCALE_T *d, __global const uint *high, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
 #define Q5_0_STEP(j) {                                                                                      \
         uchar16 c = vload16(f##j + b, q);                                                                   \
         uint h = high[f##j + b];                                                                            \
-        float s = half_bits(d[f##j + b]);                                                                   \
+        float s = SCALE(d, f##j + b);                                                                       \
         a##j += s * DOT32(q5_0_codes(LOW(c), h, 0), q5_0_codes(HIGH(c), h, 16)); m##j -= 16.0f * s * block_sum; }
     FOR_ROWS(BLOCKS_START)
     FOR_BLOCKS(Q5_0_STEP)
@@ -228,35 +237,35 @@ __kernel void dequantize_f16(__global const half *w, __global float *out) {
     out[get_global_id(0)] = vload_half(get_global_id(0), w);
 }
 
-__kernel void dequantize_q4_0(__global const ushort *d, __global const uchar *q, __global float *out) {
+__kernel void dequantize_q4_0(__global const SCALE_T *d, __global const uchar *q, __global float *out) {
     size_t b = get_global_id(0);
     uchar16 c = vload16(b, q);
-    float scale = half_bits(d[b]);
+    float scale = SCALE(d, b);
     vstore16((LOW(c) - 8.0f) * scale, 2 * b, out);
     vstore16((HIGH(c) - 8.0f) * scale, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q4_1(__global const ushort *d, __global const ushort *m, __global const uchar *q,
+__kernel void dequantize_q4_1(__global const SCALE_T *d, __global const SCALE_T *m, __global const uchar *q,
                               __global float *out) {
     size_t b = get_global_id(0);
     uchar16 c = vload16(b, q);
-    float scale = half_bits(d[b]), least = half_bits(m[b]);
+    float scale = SCALE(d, b), least = SCALE(m, b);
     vstore16(LOW(c) * scale + least, 2 * b, out);
     vstore16(HIGH(c) * scale + least, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q5_0(__global const ushort *d, __global const uint *high, __global const uchar *q,
+__kernel void dequantize_q5_0(__global const SCALE_T *d, __global const uint *high, __global const uchar *q,
                               __global float *out) {
     size_t b = get_global_id(0);
     uchar16 c = vload16(b, q);
-    float scale = half_bits(d[b]);
+    float scale = SCALE(d, b);
     vstore16((q5_0_codes(LOW(c), high[b], 0) - 16.0f) * scale, 2 * b, out);
     vstore16((q5_0_codes(HIGH(c), high[b], 16) - 16.0f) * scale, 2 * b + 1, out);
 }
 
-__kernel void dequantize_q8_0(__global const ushort *d, __global const char *q, __global float *out) {
+__kernel void dequantize_q8_0(__global const SCALE_T *d, __global const char *q, __global float *out) {
     size_t b = get_global_id(0);
-    float scale = half_bits(d[b]);
+    float scale = SCALE(d, b);
     vstore16(convert_float16(vload16(2 * b, q)) * scale, 2 * b, out);
     vstore16(convert_float16(vload16(2 * b + 1, q)) * scale, 2 * b + 1, out);
 }
