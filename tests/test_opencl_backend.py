@@ -116,16 +116,23 @@ def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
         assert all(row[token] >= row.max() - 0.01 for row, token in zip(rows, greedy.tokens, strict=True))
 
 
+@pytest.mark.parametrize("float_scales", [False, True], ids=["half-scales", "float-scales"])
 @pytest.mark.parametrize("type_name", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatch, type_name, arch):
+def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatch, type_name, arch, float_scales):
     """Each matvec kernel through a whole model (gemma3: Q/K norms, post-norms, GELU, a sliding window), on the
-    sharpened tiny model: the kernels compute what the file holds, in float32 (measured: KLD 1e-14 to 1e-11)."""
+    sharpened tiny model: the kernels compute what the file holds, in float32 (measured: KLD 1e-14 to 1e-11).
+    The 37 tokens run as one chunk (each matrix dequantized, then gemm) and the head one token at a time, in each
+    layout of the scales that a device's timing may choose."""
     import tiny_model
     from conformance_models import write_sharp_gguf
     from gguf import GGMLQuantizationType
 
+    from edgeinfer.backends.opencl import tuning
     from edgeinfer.converters import quantize
+
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))  # this test's choice, not a record's
+    monkeypatch.setattr(tuning.Timer, "tune", lambda self, launch, half: (tuning.Shape(float_scales=float_scales), 0))
 
     if not quantize.available(GGMLQuantizationType[type_name]):
         pytest.skip(f"{type_name} blocks come from ggml's quantizer, which needs llama.cpp's library")
@@ -197,7 +204,10 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     timed.clear()
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         assert backend._shapes == shapes and not timed
-    record.write_text('{"Q8_0 128x128": {"local": null}}')  # a field missing: as unreadable as no JSON
+    for unreadable in ('{"Q8_0 128x128": {"local": null}}', '{"Q8_0 128x128": {"rows": 4, "local": null}}'):
+        record.write_text(unreadable)  # a field missing (the second: a record from before the scales' layouts)
+        assert tuning.recorded_shapes(record) == {}
+    record.write_text("{not json")
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:  # timed again: maybe not alike
         assert set(backend._shapes) == set(shapes) and len(timed) == len(shapes)
     assert tuning.recorded_shapes(record) == backend._shapes
