@@ -24,7 +24,7 @@ from support import reference_copies
 
 cl = pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
 try:
-    from edgeinfer.backends.opencl.backend import OpenCLBackend
+    from edgeinfer.backends.opencl.backend import Launch, OpenCLBackend
     from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
 except BackendUnavailableError as exc:
     pytest.skip(f"no OpenCL device here: {exc}", allow_module_level=True)
@@ -250,3 +250,29 @@ def test_half_bits_reads_every_finite_half_as_its_value():
     program.read_halves(queue, (bits.size,), None, halves, values)
     cl.enqueue_copy(queue, out, values)
     assert np.array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["gate-in-the-product", "gate-kernel"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_token_at_a_time_agrees_with_the_reference_with_the_gate_in_the_product_or_its_own(
+    tmp_path, monkeypatch, arch, stacked
+):
+    """Decoding runs the matrix-vector kernels: with gate and up of one type, one product of their interleaved
+    rows writes gate(gate) * up (SiLU for llama, GELU for gemma3); with types that differ (forced here: each
+    matrix a product of its own), a kernel of its own applies the gate. 24 tokens one at a time, as the
+    reference scores them together."""
+    from conformance_models import write_sharp_gguf
+
+    from edgeinfer.backends.opencl import backend as opencl
+
+    if not stacked:
+        monkeypatch.setattr(opencl, "_stacks", lambda kinds, layer, types: [[kind] for kind in kinds])
+    info = load_model_info(write_sharp_gguf(tmp_path / "tiny.gguf", arch=arch, tensor_type="Q8_0", n_embd=256))
+    tokens = list(range(5, 29))
+    truth = logits_of(ReferenceBackend, info, tokens, "f32")
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=len(tokens), kv_type="f32"))) as backend:
+        ours = np.array([backend.eval([Span(0, i, [token])])[0] for i, token in enumerate(tokens)])
+        gates = [p for p in backend._body if isinstance(p, Launch) and p.kernel.function_name.endswith("_gate")]
+    assert len(gates) == (0 if stacked else info.hparams.n_layer)
+    divergence, agree = kld(truth, ours), top1(truth, ours)
+    assert divergence <= 1e-6 and agree == 1.0, f"KLD {divergence:.2e}, top-1 {agree:.3f}"

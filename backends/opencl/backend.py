@@ -255,18 +255,24 @@ class OpenCLBackend(PooledBackend):
             return self._launch("ops.cl", "add_norm", 1, self._x, y, vector(name), self._h, np.int32(hp.n_embd), eps)
 
         def products(
-            kinds: Sequence[MODEL_TENSOR], layer: int, x: tuple[cl.Buffer, int], y: tuple[cl.Buffer, int], biased: bool
+            kinds: Sequence[MODEL_TENSOR],
+            layer: int,
+            x: tuple[cl.Buffer, int],
+            y: tuple[cl.Buffer, int],
+            biased: bool,
+            gate: str | None = None,
         ) -> list[Product]:
             """``y = [W1 x | W2 x | ...]`` for each token's row of x and of y (buffer, row length): one product
-            where the matrices share a type, else one each."""
+            where the matrices share a type, else one each. With ``gate``, the FFN's gate and up in one product
+            write gate(gate) * up (``products.cl``'s GATE)."""
             planned, at = [], 0
             for stack in _stacks(kinds, layer, types):
                 names = [tensor_name(kind, layer) for kind in stack]
                 shape = self._shapes[_product_key([tensors[name] for name in names])]
-                matrix = self._upload_matrix(tensors, names, shape.float_scales)
+                matrix = self._upload_matrix(tensors, names, shape.float_scales, interleave=gate is not None)
                 biases = [tensors.dequantize(tensor_name(kind, layer, "bias")) for kind in stack] if biased else []
                 bias = self._buffer(np.concatenate(biases)) if biased else None
-                planned.append(self._product(matrix, shape, x, y, bias, at))
+                planned.append(self._product(matrix, shape, x, y, bias, at, gate=gate))
                 at += matrix.n
             return planned
 
@@ -300,8 +306,12 @@ class OpenCLBackend(PooledBackend):
                 body.append(norm(self._out, tensor_name(MODEL_TENSOR.ATTN_POST_NORM, layer), self._out))
             body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.FFN_NORM, layer)))
             gate_up = (self._gate_up, 2 * hp.n_ff)
-            body += products(gate_up_products, layer, h, gate_up, False)
-            body.append(self._launch("ops.cl", f"{arch.ffn_act}_gate", hp.n_ff, self._gate_up, np.int32(hp.n_ff)))
+            if len(_stacks(gate_up_products, layer, types)) == 1:  # one product, which applies the gate as it writes
+                body += products(gate_up_products, layer, h, gate_up, False, gate=arch.ffn_act)
+            else:
+                body += products(gate_up_products, layer, h, gate_up, False)
+                body.append(self._launch("products.cl", f"{arch.ffn_act}_gate", hp.n_ff, self._gate_up,
+                                         np.int32(hp.n_ff), build=Shape()))  # fmt: skip
             body += products(down_product, layer, gate_up, out, False)  # the gate half of each row
             if arch.post_norms:
                 body.append(norm(self._out, tensor_name(MODEL_TENSOR.FFN_POST_NORM, layer), self._out))
@@ -388,9 +398,10 @@ class OpenCLBackend(PooledBackend):
     def _scratch(self, size: int) -> cl.Buffer:
         return cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
 
-    def _program(self, name: str, build: Shape | None = None) -> cl.Program:
-        """``kernels/name`` built for this device (``products.cl`` for the products of ``build``), once."""
-        options = build.defines() if build else ()
+    def _program(self, name: str, build: Shape | None = None, gate: str | None = None) -> cl.Program:
+        """``kernels/name`` built for this device (``products.cl`` for the products of ``build``, applying the FFN's
+        ``gate`` as they write), once."""
+        options = (build.defines() if build else ()) + ((f"-DGATE={gate}",) if gate else ())
         if (name, options) not in self._programs:
             self._programs[name, options] = self._build(name, [*self._defines, *options])
         return self._programs[name, options]
@@ -403,10 +414,11 @@ class OpenCLBackend(PooledBackend):
         *args: object,
         build: Shape | None = None,
         local: tuple[int, int] | None = None,
+        gate: str | None = None,
     ) -> Launch:
-        """``name`` of ``program`` (built for ``build``'s products) with ``args`` set, over ``size`` work-items
-        in groups of ``local`` (None: the driver's choice)."""
-        kernel = cl.Kernel(self._program(program, build), name)
+        """``name`` of ``program`` (built for ``build``'s products and ``gate``) with ``args`` set, over ``size``
+        work-items in groups of ``local`` (None: the driver's choice)."""
+        kernel = cl.Kernel(self._program(program, build, gate), name)
         kernel.set_args(*args)
         return Launch(kernel, int(size), args, local)
 
@@ -458,13 +470,20 @@ class OpenCLBackend(PooledBackend):
         return products
 
     def _matvec(
-        self, matrix: _Matrix, x: cl.Buffer, y: cl.Buffer, bias: cl.Buffer | None, at: int, shape: Shape
+        self,
+        matrix: _Matrix,
+        x: cl.Buffer,
+        y: cl.Buffer,
+        bias: cl.Buffer | None,
+        at: int,
+        shape: Shape,
+        gate: str | None = None,
     ) -> Launch:
         """``y[at:at + n] = W x (+ bias)``, by ``matrix``'s matrix-vector kernel in ``shape`` (whose layout the
-        matrix was uploaded in)."""
+        matrix was uploaded in); with ``gate``, half as many values, gate(row 2i) * row 2i + 1."""
         return self._launch("products.cl", f"matvec_{matrix.type.name.lower()}", shape.global_size(matrix.n),
                             *matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n),
-                            build=shape, local=shape.local_size())  # fmt: skip
+                            build=shape, local=shape.local_size(), gate=gate)  # fmt: skip
 
     def _product(
         self,
@@ -476,30 +495,36 @@ class OpenCLBackend(PooledBackend):
         at: int,
         *,
         gemm: bool = True,
+        gate: str | None = None,
     ) -> Product:
         """``y[t][at:at + n] = W x[t] (+ bias)`` for each token t's row of x and y (buffer, row length), a token
-        being decoded in ``shape``."""
+        being decoded in ``shape``; with ``gate``, the gated pairs of rows (``_matvec``)."""
         kind = matrix.type.name.lower()
-        one = self._matvec(matrix, x[0], y[0], bias, at, shape)
+        one = self._matvec(matrix, x[0], y[0], bias, at, shape, gate)
         if not gemm:  # the head: a chunk's logits are wanted a row at a time
             return Product(one, None, one.kernel, matrix.n, one.args)
         dequantize, weights = None, matrix.buffers[0]
         if matrix.type != QType.F32:
             items = matrix.n * matrix.k // DEQUANTIZED_PER_ITEM.get(matrix.type, 32)
             dequantize = self._launch(
-                "products.cl", f"dequantize_{kind}", items, *matrix.buffers, self._dequantized, build=shape
+                "products.cl", f"dequantize_{kind}", items, *matrix.buffers, self._dequantized, build=shape, gate=gate
             )  # the program of the matrix's layout
             weights = self._dequantized
         args = (weights, x[0], y[0], bias, np.int32(matrix.k), np.int32(matrix.n), np.int32(1), np.int32(x[1]),
                 np.int32(y[1]), np.int32(at))  # fmt: skip
-        gemm_kernel = cl.Kernel(self._program("products.cl", shape), "gemm")
+        gemm_kernel = cl.Kernel(self._program("products.cl", shape, gate), "gemm")
         gemm_kernel.set_args(*args)
         return Product(one, dequantize, gemm_kernel, matrix.n, args)
 
-    def _upload_matrix(self, tensors: GGUFTensors, names: list[str], float_scales: bool) -> _Matrix:
-        """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads."""
+    def _upload_matrix(
+        self, tensors: GGUFTensors, names: list[str], float_scales: bool, *, interleave: bool = False
+    ) -> _Matrix:
+        """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads; with
+        ``interleave``, two matrices of as many rows with their rows taken in turns (the gated products')."""
         first = tensors[names[0]]
         raw = np.concatenate([tensors.raw(name) for name in names]) if len(names) > 1 else tensors.raw(names[0])
+        if interleave:
+            raw = np.stack(np.split(raw, 2), axis=1).reshape(raw.shape)
         return self._matrix_of(first.type, raw, first.shape[0], float_scales)
 
     def _matrix_of(self, kind: QType, raw: np.ndarray, k: int, float_scales: bool = False) -> _Matrix:

@@ -1,5 +1,5 @@
 // Everything but the matrix products, for a chunk of one sequence's tokens (the second work dimension, t):
-// norms, RoPE and the KV cache, attention and the FFN's gate. OpenCL C 1.2 core only. Built with HEAD_DIM set
+// norms, RoPE and the KV cache, and attention. OpenCL C 1.2 core only. Built with HEAD_DIM set
 // to the model's, and KV_HALF defined for an f16 cache (stored through vstore_half: no fp16 extension).
 //
 // Every argument is set once, when the backend plans its kernels, but the chunk's first position: step[0],
@@ -176,18 +176,4 @@ __kernel void attention_join(__global const float *parts, __global float *out) {
     }
     for (int c = 0; c < CHUNKS; c++)
         vstore8(acc[c] / total, ((size_t)t * n_head + h) * CHUNKS + c, out);
-}
-
-// Each token's gate_up = [gate | up], n_ff each: gate = act(gate) * up in place (SiLU, or GELU's tanh form, as
-// models/reference.py writes them).
-__kernel void silu_gate(__global float *gate_up, int n_ff) {
-    size_t i = (size_t)get_global_id(1) * 2 * n_ff + get_global_id(0);
-    float g = gate_up[i];
-    gate_up[i] = g * (0.5f + 0.5f * tanh(0.5f * g)) * gate_up[i + n_ff];
-}
-
-__kernel void gelu_gate(__global float *gate_up, int n_ff) {
-    size_t i = (size_t)get_global_id(1) * 2 * n_ff + get_global_id(0);
-    float g = gate_up[i];
-    gate_up[i] = 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g))) * gate_up[i + n_ff];
 }

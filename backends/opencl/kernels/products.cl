@@ -60,9 +60,31 @@ float half_bits(ushort h) {
 #else
 #error ROWS must be 2, 4 or 8
 #endif
+// The FFN's gate (SiLU, or GELU's tanh form, as models/reference.py writes them) times its up value.
+float silu(float g) {
+    return g * (0.5f + 0.5f * tanh(0.5f * g));
+}
+
+float gelu(float g) {
+    return 0.5f * g * (1.0f + tanh(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+
+#ifdef GATE
+// Built with GATE (silu or gelu) for the FFN's gate and up stacked with their rows interleaved, gate row i then
+// up row i: each pair is written as one value, GATE(gate) * up, at row i, so no kernel of its own applies the gate.
+// ROWS is even, so a work-item's pairs are whole; `pending` holds a pair's gate until its up value.
+#define OUTPUTS float pending = 0.0f;
+#define PUT(j, value)                                                                                       \
+    if ((j) % 2 == 0)                                                                                       \
+        pending = (value);                                                                                  \
+    else if (get_global_id(0) * ROWS + (j) < n)                                                             \
+        y[at + (get_global_id(0) * ROWS + (j)) / 2] = GATE(pending) * (value);
+#else
+#define OUTPUTS
 #define PUT(j, value)                                                                                       \
     if (get_global_id(0) * ROWS + (j) < n)                                                                  \
         y[at + ROW(j)] = bias ? (value) + bias[ROW(j)] : (value);
+#endif
 
 // 4-bit codes of one block as floats: elements 0-15 (low nibbles) and 16-31 (high nibbles).
 #define LOW(codes) convert_float16((codes) & (uchar16)0xF)
@@ -80,6 +102,7 @@ float half_bits(ushort h) {
 
 __kernel void matvec_f32(__global const float *w, __global const float *x, __global float *y,
                          __global const float *bias, int k, int at, int n) {
+    OUTPUTS
 #define F32_START(j) __global const float *w##j = w + ROW(j) * (size_t)k; float8 a##j = 0.0f;
 #define F32_STEP(j) a##j += vload8(0, w##j + i) * xs;
 #define F32_TAIL(j) float t##j = sum8(a##j); for (int e = i; e < k; e++) t##j += w##j[e] * x[e]; PUT(j, t##j)
@@ -94,6 +117,7 @@ __kernel void matvec_f32(__global const float *w, __global const float *x, __glo
 
 __kernel void matvec_f16(__global const half *w, __global const float *x, __global float *y,
                          __global const float *bias, int k, int at, int n) {
+    OUTPUTS
 #define F16_START(j) size_t w##j = ROW(j) * (size_t)k; float8 a##j = 0.0f;
 #define F16_STEP(j) a##j += vload_half8(0, w + w##j + i) * xs;
 #define F16_TAIL(j) float t##j = sum8(a##j); for (int e = i; e < k; e++) t##j += vload_half(w##j + e, w) * x[e]; PUT(j, t##j)
@@ -114,6 +138,7 @@ __kernel void matvec_f16(__global const half *w, __global const float *x, __glob
 
 __kernel void matvec_q4_0(__global const SCALE_T *d, __global const uchar *q, __global const float *x,
                           __global float *y, __global const float *bias, int k, int at, int n) {
+    OUTPUTS
 #define Q4_0_STEP(j) { NIBBLES(j) float s = SCALE(d, f##j + b); a##j += s * DOT32(lo, hi); m##j -= 8.0f * s * block_sum; }
     FOR_ROWS(BLOCKS_START)
     FOR_BLOCKS(Q4_0_STEP)
@@ -123,6 +148,7 @@ __kernel void matvec_q4_0(__global const SCALE_T *d, __global const uchar *q, __
 __kernel void matvec_q4_1(__global const SCALE_T *d, __global const SCALE_T *m, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
+    OUTPUTS
 #define Q4_1_STEP(j) { NIBBLES(j) a##j += SCALE(d, f##j + b) * DOT32(lo, hi); m##j += SCALE(m, f##j + b) * block_sum; }
     FOR_ROWS(BLOCKS_START)
     FOR_BLOCKS(Q4_1_STEP)
@@ -131,6 +157,7 @@ __kernel void matvec_q4_1(__global const SCALE_T *d, __global const SCALE_T *m, 
 
 __kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __global const float *x,
                           __global float *y, __global const float *bias, int k, int at, int n) {
+    OUTPUTS
 #define Q8_0_STEP(j) {                                                                                      \
         float16 lo = convert_float16(vload16(2 * (f##j + b), q)), hi = convert_float16(vload16(2 * (f##j + b) + 1, q)); \
         a##j += SCALE(d, f##j + b) * DOT32(lo, hi); }
@@ -149,6 +176,7 @@ float16 q5_0_codes(float16 low, uint high, uint first) {
 __kernel void matvec_q5_0(__global const SCALE_T *d, __global const uint *high, __global const uchar *q,
                           __global const float *x, __global float *y, __global const float *bias, int k, int at,
                           int n) {
+    OUTPUTS
 #define Q5_0_STEP(j) {                                                                                      \
         uchar16 c = vload16(f##j + b, q);                                                                   \
         uint h = high[f##j + b];                                                                            \
@@ -173,6 +201,7 @@ int2 q4_k_scale_min(__global const uchar *s, int i) {
 __kernel void matvec_q4_k(__global const ushort *d, __global const ushort *dmin, __global const uchar *scales,
                           __global const uchar *q, __global const float *x, __global float *y,
                           __global const float *bias, int k, int at, int n) {
+    OUTPUTS
 #define Q4_K_STEP(j) {                                                                                      \
         __global const uchar *sc = scales + (s##j + b) * 12;                                                \
         float dd = half_bits(d[s##j + b]), dm = half_bits(dmin[s##j + b]);                                  \
@@ -209,6 +238,7 @@ float16 q6_k_codes(__global const uchar *ql, __global const uchar *qh, size_t sb
 __kernel void matvec_q6_k(__global const uchar *ql, __global const uchar *qh, __global const char *scales,
                           __global const ushort *d, __global const float *x, __global float *y,
                           __global const float *bias, int k, int at, int n) {
+    OUTPUTS
 #define Q6_K_STEP(j) {                                                                                      \
         size_t sb = s##j + b;                                                                               \
         float dd = half_bits(d[sb]);                                                                        \
@@ -313,10 +343,28 @@ __kernel void gemm(__global const float *w, __global const float *x, __global fl
 #define ROW_TIMES_TOKENS(r) { float8 v = vload8(0, w##r + i); s##r##0 += v * u0; s##r##1 += v * u1; s##r##2 += v * u2; s##r##3 += v * u3; }
         ROW_TIMES_TOKENS(0) ROW_TIMES_TOKENS(1) ROW_TIMES_TOKENS(2) ROW_TIMES_TOKENS(3)
     }
-#define OUT(r, t) if (r0 + r < n && t0 + t < tokens) {                                                      \
-        float total = sum8(s##r##t);                                                                         \
-        for (int e = i; e < k; e++) total += w##r[e] * x##t[e];                                              \
-        y[(size_t)(t0 + t) * ldy + at + r0 + r] = bias ? total + bias[r0 + r] : total; }
+#define TOTAL(r, t) float total##r##t = sum8(s##r##t); for (int e = i; e < k; e++) total##r##t += w##r[e] * x##t[e];
+#define TOTALS(r) TOTAL(r, 0) TOTAL(r, 1) TOTAL(r, 2) TOTAL(r, 3)
+    TOTALS(0) TOTALS(1) TOTALS(2) TOTALS(3)
+#ifdef GATE  // rows interleaved gate, up (as the matrix-vector kernels take them): a pair is one value at row / 2
+#define OUT(g, u, t) if (r0 + u < n && t0 + t < tokens) y[(size_t)(t0 + t) * ldy + at + (r0 + g) / 2] = GATE(total##g##t) * total##u##t;
+#define OUT_PAIR(g, u) OUT(g, u, 0) OUT(g, u, 1) OUT(g, u, 2) OUT(g, u, 3)
+    OUT_PAIR(0, 1) OUT_PAIR(2, 3)
+#else
+#define OUT(r, t) if (r0 + r < n && t0 + t < tokens) y[(size_t)(t0 + t) * ldy + at + r0 + r] = bias ? total##r##t + bias[r0 + r] : total##r##t;
 #define OUT_ROW(r) OUT(r, 0) OUT(r, 1) OUT(r, 2) OUT(r, 3)
     OUT_ROW(0) OUT_ROW(1) OUT_ROW(2) OUT_ROW(3)
+#endif
+}
+
+// Each token's gate_up = [gate | up], n_ff each: gate = act(gate) * up in place, where the gate and up matrices
+// are of different types and so run as products of their own.
+__kernel void silu_gate(__global float *gate_up, int n_ff) {
+    size_t i = (size_t)get_global_id(1) * 2 * n_ff + get_global_id(0);
+    gate_up[i] = silu(gate_up[i]) * gate_up[i + n_ff];
+}
+
+__kernel void gelu_gate(__global float *gate_up, int n_ff) {
+    size_t i = (size_t)get_global_id(1) * 2 * n_ff + get_global_id(0);
+    gate_up[i] = gelu(gate_up[i]) * gate_up[i + n_ff];
 }
