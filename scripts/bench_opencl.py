@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
+from gguf import GGMLQuantizationType as QType
 
-from edgeinfer.backends.opencl.backend import KERNELS
+from edgeinfer.backends.opencl.backend import HALF_SCALES, KERNELS
 from edgeinfer.backends.opencl.device import choose_device
 from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer
 
@@ -31,8 +32,6 @@ __kernel void copy(__global const float4 *src, __global float4 *dst) {
 N, K = 16384, 8192
 # type: bytes of one 32-element block, as the backend's buffers hold it
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64, "f32": 128}
-# type: half scales a block has, which a shape may read widened to float32 (2 bytes more each)
-HALF_SCALE_COUNT = {"q4_0": 1, "q4_1": 2, "q8_0": 1}
 
 
 def buffers(context: cl.Context, kind: str, rng: np.random.Generator, float_scales: bool) -> list[cl.Buffer]:
@@ -74,21 +73,25 @@ def main() -> None:
     print(f"{info.index} {info.name}: copy {stream / 1e9:.1f} GB/s (read and written)")
 
     source = (Path(KERNELS) / "products.cl").read_text()
-    programs = {shape: cl.Program(context, source).build(options=list(shape.defines())) for shape in SHAPES}
+    # One program a set of build options: the group size is the launch's, not the build's.
+    programs = {
+        defines: cl.Program(context, source).build(options=list(defines)) for defines in {s.defines() for s in SHAPES}
+    }
     x = cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=rng.random(K, dtype=np.float32))
     y = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, N * 4)
     for kind, block in BLOCK_BYTES.items():
-        half_scales = kind in HALF_SCALE_COUNT
+        half_parts = len(HALF_SCALES.get(QType[kind.upper()], ()))
+        half_scales = half_parts > 0
         layouts = {wide: buffers(context, kind, rng, wide) for wide in {False, half_scales}}
 
         def launch(shape: Shape, kind: str = kind, layouts: dict = layouts) -> tuple[cl.Kernel, int]:
-            kernel = cl.Kernel(programs[shape], f"matvec_{kind}")
+            kernel = cl.Kernel(programs[shape.defines()], f"matvec_{kind}")
             kernel.set_args(*layouts[shape.float_scales], x, y, None, np.int32(K), np.int32(0), np.int32(N))
             return kernel, N
 
         shape, seconds = timer.tune(launch, half_scales)
         groups = f"groups of {shape.local}" if shape.local else "groups the driver chose"
-        read = N * K // 32 * (block + 2 * HALF_SCALE_COUNT.get(kind, 0) * shape.float_scales)
+        read = N * K // 32 * (block + 2 * half_parts * shape.float_scales)
         rate, file_rate = read / seconds, N * K // 32 * block / seconds
         print(
             f"  {kind:<5} {N}x{K}: {seconds * 1e6:8.0f} us  {rate / 1e9:5.1f} GB/s  {rate / stream:5.0%} of the copy"

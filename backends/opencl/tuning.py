@@ -6,10 +6,11 @@ half-precision scales read them as the file holds them, or widened to float32 at
 arithmetic: a CPU device is bound by the second, a GPU by the first). Which is fastest depends on the
 device and on the matrix: a CPU driver such as PoCL wants few, long work-items in as many groups as it has
 cores, a GPU many, in groups its schedulers fill, and a small matrix gives either less to share out. So the
-first load of a model times every shape on each of its matrices' types and sizes, and keeps the fastest
-for each, in the cache folder under a digest of the device, its driver and the kernels' source: a new
-driver or a changed kernel measures again. A decode step streams every weight from memory once, so each
-timed run starts with the device's caches emptied (a read of a buffer larger than them).
+first load of a model times the shapes on each of its products' types and sizes (the layout first, then rows
+and group sizes in it: ``Timer.tune``), and keeps the fastest for each, in the cache folder under a digest
+of the device, its driver and the kernels' source: a new driver or a changed kernel measures again. A decode
+step streams every weight from memory once, so each timed run starts with the device's caches emptied (a read
+of a buffer larger than them).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def tuning_path(device: cl.Device, source: str) -> Path:
 
 
 def recorded_shapes(path: Path) -> dict[str, Shape]:
-    """The shapes measured before, by type name; none if there is no record or it cannot be read (then the
-    types are measured again)."""
+    """The shapes measured before, by product (``shape_key``); none if there is no record or it cannot be read
+    (then the products are measured again)."""
     try:
         record = json.loads(path.read_bytes())
         return {name: _shape(fields) for name, fields in record.items()}
@@ -127,7 +128,7 @@ class Timer:
         return self.fastest(launch, tuple(shape for shape in shapes_for(half_scales) if shape.float_scales == wide))
 
     def fastest(
-        self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shapes: tuple[Shape, ...] = SHAPES
+        self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shapes: tuple[Shape, ...]
     ) -> tuple[Shape, float]:
         """Of ``shapes``, the one whose launch runs fastest, and its median seconds. A shape the device refuses (a
         group larger than it allows) is skipped."""
