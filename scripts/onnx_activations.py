@@ -19,6 +19,7 @@ from pathlib import Path
 from edgeinfer.backends.base import BackendOptions
 from edgeinfer.backends.onnx.activations import INT8
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
+from edgeinfer.errors import EdgeInferError
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import load_model_info
 from edgeinfer.system import thread_count
@@ -32,7 +33,10 @@ def main() -> None:
     args = parser.parse_args()
     options = BackendOptions(kv_tokens=512, kv_type=args.kv_type, threads=thread_count(args.threads))
     for model in args.models:
-        info = load_model_info(resolve_model(model))
+        try:
+            info = load_model_info(resolve_model(model, download=False))
+        except EdgeInferError as exc:
+            raise SystemExit(f"error: {exc}") from None
         with tempfile.TemporaryDirectory() as cache:
             os.environ["EDGEINFER_CACHE_DIR"] = cache
             start = time.perf_counter()

@@ -45,7 +45,7 @@ from edgeinfer.models.tensors import GGUFTensors
 from .weights import NBITS_TYPES, NBits, ZeroPoints, concat, matmul, nbits, pack4
 
 # Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt.
-BUILDER_VERSION = 6
+BUILDER_VERSION = 7
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)

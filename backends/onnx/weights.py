@@ -13,18 +13,25 @@ first: element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in its high
   - ``FLOAT``: the zero point ``-m / d`` as a float. Exact.
   - ``UINT4``: that zero point rounded to a 4-bit code, which the fast integer kernels take.
     Every element of a block moves by up to half a step.
-  - ``SPLIT``: codes with zero point 0 and scale ``d``, plus ``offsets``, the ``m`` of each block.
-    The graph adds ``blocksums(A) @ offsets.T``, where ``blocksums`` sums A over each 32-element
-    block. Exact, on the integer kernels.
+  - ``SPLIT``: the codes with the default zero point 8 and scale ``d``, plus ``offsets``, each
+    block's ``m + 8d``. The graph adds ``blocksums(A) @ offsets.T``, where ``blocksums`` sums A
+    over each 32-element block. Exact, on the integer kernels.
 
   A block with ``d == 0`` holds ``m`` everywhere. It becomes codes 0 with a scale and zero point
   that give ``m``; under ``SPLIT``, scale 0 and offset ``m``.
 - Q4_K (super-blocks of 256: eight 32-element blocks, each ``q * d * sc - dmin * mn`` with 6-bit
-  ``sc`` and ``mn``) is always ``SPLIT``: scale ``d * sc`` and offset ``-dmin * mn`` per block, as
-  float32 products the way ggml forms them. Exact.
-- Q5_0, Q5_1, Q5_K, Q6_K and IQ4_NL have codes of 5, 6 or (IQ4_NL's 16 non-linear levels) up to
-  8 bits: they become 8-bit codes, exact, with their blocks' scales, zero points and offsets (Q6_K
-  in blocks of 16). MatMulNBits runs 8-bit codes fast only with ``accuracy_level`` 4.
+  ``sc`` and ``mn``) is always ``SPLIT``: scale ``d * sc`` and offset ``8 * d * sc - dmin * mn``
+  per block, from float32 products formed the way ggml forms them. Exact.
+- Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL and IQ4_XS have codes of 2 to 6 bits or (IQ4_NL's 16
+  non-linear levels) up to 8 bits: they become 8-bit codes about the default zero point 128, exact,
+  with their blocks' scales and offsets (Q6_K, Q2_K and Q3_K in blocks of 16). MatMulNBits runs
+  8-bit codes fast only with ``accuracy_level`` 4.
+
+Codes sit about their zero point wherever a type has offsets too (the middle of their range moves
+into the offsets): with int8 activations (``accuracy_level`` 4) a product's error grows with its
+codes' size, and codes counted from 0 made Q4_1's and Q5_K's 1.5x to 2.9x what rounding the
+activations costs against the file's own weights, where centred ones cost 1.0x to 1.1x
+(``tests/test_onnx_weights.py``). SmolLM2's KLD from int8 activations went from 2.0e-2 to 7.2e-3.
 """
 
 from __future__ import annotations
@@ -64,8 +71,8 @@ class NBits:
     bits: int
     codes: np.ndarray  # uint8 (n, k // block_size, block_size * bits // 8)
     scales: np.ndarray  # float32 (n * k // block_size,)
-    zero_points: np.ndarray | None  # float32 like scales; uint8, 4-bit packed or a byte each; or None: the default
-    offsets: np.ndarray | None = None  # float32 (n, k // block_size): each block's m, added apart (ZeroPoints.SPLIT)
+    zero_points: np.ndarray | None  # float32 like scales; uint8, 4-bit packed; or None: the default
+    offsets: np.ndarray | None = None  # float32 (n, k // block_size): each block's offset, added apart
     block_size: int = BLOCK
 
     def dequantize(self) -> np.ndarray:
@@ -78,8 +85,6 @@ class NBits:
         q = q.reshape(self.n, blocks, self.block_size)
         if self.zero_points is None:
             z = np.full((self.n, blocks), 2.0 ** (self.bits - 1))
-        elif self.zero_points.dtype == np.uint8 and self.bits == 8:
-            z = self.zero_points.reshape(self.n, blocks).astype(np.float64)
         elif self.zero_points.dtype == np.uint8:
             packed = self.zero_points.reshape(self.n, -1)
             z = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(self.n, -1)[:, :blocks].astype(np.float64)
@@ -141,32 +146,32 @@ def _rows(raw: np.ndarray, qtype: QType, k: int, zero_points: ZeroPoints) -> NBi
     if qtype == QType.Q4_K:
         return _q4_k(raw, n, k)
     if qtype in (QType.Q5_0, QType.IQ4_NL):
-        return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]), zero=16 if qtype == QType.Q5_0 else 128)
+        return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]))
     if qtype == QType.Q5_1:
-        return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]), zero=0, offsets=_f16(blocks[..., 2:4]))
+        return _eight_bit(raw, qtype, n, k, BLOCK, _f16(blocks[..., :2]), offsets=_f16(blocks[..., 2:4]), centre=16)
     if qtype == QType.Q5_K:
         scales, offsets = _k_scales(raw, n, k)
-        return _eight_bit(raw, qtype, n, k, BLOCK, scales, zero=0, offsets=offsets)
+        return _eight_bit(raw, qtype, n, k, BLOCK, scales, offsets=offsets, centre=16)
     if qtype == QType.Q6_K:
         supers = raw.reshape(n * (k // QK_K), -1)
         d = _f16(supers[:, -2:]).reshape(-1, 1)
         sc = supers[:, -2 - QK_K // 16 : -2].view(np.int8).astype(np.float32)
-        return _eight_bit(raw, qtype, n, k, 16, d * sc, zero=32)
+        return _eight_bit(raw, qtype, n, k, 16, d * sc)
     supers = raw.reshape(n * (k // QK_K), -1)
     if qtype == QType.Q2_K:  # per 16: d * (sc & 15) * q - dmin * (sc >> 4), q in 0..3
         sc = supers[:, : QK_K // 16].astype(np.float32)
         d, dmin = _f16(supers[:, -4:-2]).reshape(-1, 1), _f16(supers[:, -2:]).reshape(-1, 1)
-        return _eight_bit(raw, qtype, n, k, 16, d * (sc % 16), zero=0, offsets=-(dmin * (sc // 16)))
+        return _eight_bit(raw, qtype, n, k, 16, d * (sc % 16), offsets=-(dmin * (sc // 16)), centre=2)
     if qtype == QType.Q3_K:  # per 16: d * (sc - 32) * q, q in -4..3
         d = _f16(supers[:, -2:]).reshape(-1, 1)
-        return _eight_bit(raw, qtype, n, k, 16, d * _q3_k_scales(supers[:, -14:-2]), zero=4)
+        return _eight_bit(raw, qtype, n, k, 16, d * _q3_k_scales(supers[:, -14:-2]))
     if qtype == QType.IQ4_XS:  # per 32: d * (ls - 32) * level, IQ4_NL's 16 levels
         d = _f16(supers[:, :2]).reshape(-1, 1)
         high = supers[:, 2:4].copy().view(np.uint16).astype(np.int32)  # two bits a block
         low = supers[:, 4:8]
         ls = np.stack([low & 0xF, low >> 4], axis=-1).reshape(-1, 8).astype(np.int32)
         ls |= ((high >> (2 * np.arange(8))) & 3) << 4
-        return _eight_bit(raw, qtype, n, k, BLOCK, d * (ls - 32).astype(np.float32), zero=128)
+        return _eight_bit(raw, qtype, n, k, BLOCK, d * (ls - 32).astype(np.float32))
     raise ValueError(f"MatMulNBits takes {', '.join(t.name for t in NBITS_TYPES)} blocks, not {qtype.name}")
 
 
@@ -185,26 +190,31 @@ def _eight_bit(
     block: int,
     scales: np.ndarray,
     *,
-    zero: int,
     offsets: np.ndarray | None = None,
+    centre: int = 0,
 ) -> NBits:
-    """A type whose codes fit a byte: each element ``(q - zero) * scale (+ offset)`` per ``block`` elements.
+    """A type whose values are small integers times a scale per ``block`` elements (plus an offset), as 8-bit codes
+    about MatMulNBits' default zero point 128: each element ``(code - 128) * scale (+ offset)``.
 
-    The codes are read back from gguf-py's dequantization, which ggml's formula makes exact: every
+    The integers are read back from gguf-py's dequantization, which ggml's formula makes exact: every
     value is a float32 product of the block's scale and a small integer (plus the block's offset).
-    IQ4_NL's 16 non-linear levels are such integers (-127 to 113), so its codes are level + 128.
+    IQ4_NL's 16 non-linear levels are such integers (-127 to 113). A type with offsets counts its
+    integers from 0: ``centre``, the middle of their range, moves into the offsets, so that the codes
+    sit about zero as the other types' do. The error of int8 activations grows with the codes' size
+    (``int8_error`` in the tests): uncentred, Q4_1's doubled.
     """
     blocks = k // block
     values = dequantize(raw, qtype).reshape(n, blocks, block).astype(np.float64)
     scale = scales.reshape(n, blocks, 1).astype(np.float64)
+    offset_array = None
     if offsets is not None:
-        values -= offsets.reshape(n, blocks, 1).astype(np.float64)
+        centred = offsets.reshape(n, blocks, 1).astype(np.float64) + centre * scale
+        values -= centred
+        offset_array = centred.reshape(n, blocks).astype(np.float32)
     used = scale != 0  # a block of scale 0 holds its offset (or 0) whatever its codes
     steps = np.rint(np.divide(values, scale, out=np.zeros_like(values), where=used))
-    codes = np.clip(steps + zero, 0, 255).astype(np.uint8).reshape(n, blocks, block)
-    zero_points = None if zero == 128 else np.full(n * blocks, zero, np.uint8)
-    offset_array = None if offsets is None else offsets.reshape(n, blocks).astype(np.float32)
-    return NBits(n, k, 8, codes, scales.reshape(-1).astype(np.float32), zero_points, offset_array, block)
+    codes = np.clip(steps + 128, 0, 255).astype(np.uint8).reshape(n, blocks, block)
+    return NBits(n, k, 8, codes, scales.reshape(-1).astype(np.float32), None, offset_array, block)
 
 
 def _q4_1(blocks: np.ndarray, n: int, k: int, zero_points: ZeroPoints) -> NBits:
@@ -216,16 +226,8 @@ def _q4_1(blocks: np.ndarray, n: int, k: int, zero_points: ZeroPoints) -> NBits:
         codes = codes.reshape(-1, codes.shape[-1])
         codes[flat] = 0
         codes = codes.reshape(n, k // BLOCK, -1)
-    if zero_points is ZeroPoints.SPLIT:
-        return NBits(
-            n,
-            k,
-            4,
-            codes,
-            d.astype(np.float32),
-            pack4(np.zeros((n, k // BLOCK), np.uint8)),
-            m.reshape(n, -1).astype(np.float32),
-        )
+    if zero_points is ZeroPoints.SPLIT:  # (q - 8) * d + (m + 8d): the codes centred, as Q4_0's are
+        return NBits(n, k, 4, codes, d.astype(np.float32), None, (m + 8 * d).reshape(n, -1).astype(np.float32))
     if zero_points is ZeroPoints.FLOAT:
         scale = np.where(flat, m, d)
         zero = np.where(flat, -1.0, -m / np.where(flat, 1.0, d))
@@ -260,8 +262,8 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> NBits:
     # Each 32 bytes of codes hold two blocks: the low nibbles one, the high nibbles the next.
     qs = supers[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)
     elements = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, k // BLOCK, BLOCK)
-    zeros = pack4(np.zeros((n, k // BLOCK), np.uint8))
-    return NBits(n, k, 4, _pack(elements), scales.reshape(-1), zeros, offsets.reshape(n, -1))
+    centred = offsets.astype(np.float64) + 8 * scales.astype(np.float64)  # (q - 8) * scale + (offset + 8 scale)
+    return NBits(n, k, 4, _pack(elements), scales.reshape(-1), None, centred.astype(np.float32).reshape(n, -1))
 
 
 def _repack(qs: np.ndarray) -> np.ndarray:
