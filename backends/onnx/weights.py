@@ -29,9 +29,10 @@ first: element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in its high
 
 Codes sit about their zero point wherever a type has offsets too (the middle of their range moves
 into the offsets): with int8 activations (``accuracy_level`` 4) a product's error grows with its
-codes' size, and codes counted from 0 made Q4_1's and Q5_K's 1.5x to 2.9x what rounding the
-activations costs against the file's own weights, where centred ones cost 1.0x to 1.1x
-(``tests/test_onnx_weights.py``). SmolLM2's KLD from int8 activations went from 2.0e-2 to 7.2e-3.
+codes' size. Counted from 0, the codes of Q4_1, Q4_K, Q5_1, Q5_K and Q2_K cost 1.5x to 2.9x what
+rounding the activations costs against the file's own weights; centred, 1.0x to 1.1x
+(``tests/test_onnx_weights.py``). SmolLM2's calibration KLD from int8 activations went from 2.0e-2
+to 7.2e-3.
 """
 
 from __future__ import annotations
