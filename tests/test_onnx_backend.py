@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import subprocess
@@ -316,6 +317,18 @@ def test_a_tensor_type_it_has_no_form_for_is_one_line_naming_it(tmp_path):
     assert "TQ2_0" in message and "\n" not in message
     runners = [name for name, state in backend_status(info).items() if name != "onnxruntime" and state == "available"]
     assert runners and f"{' and '.join(runners)} can: use --backend auto" in message  # llama.cpp, the reference
+
+
+def test_one_token_steps_and_longer_spans_take_turns_on_a_sequence(tiny):
+    """A one-token step writes its inputs into arrays bound once; a longer span binds its own. Turns between
+    them, on two sequences, each give the row the reference gives at that position."""
+    truth = logits_of(ReferenceBackend, tiny, TOKENS, "f32")
+    cuts = [0, 8, 9, 10, 13, 14, 15, 20, 21]  # spans of 8, 1, 1, 3, 1, 1, 5, 1
+    with closing(OnnxRuntimeBackend(tiny, options(kv_type="f32", n_seq=2))) as backend:
+        for start, end in itertools.pairwise(cuts):
+            for seq in (0, 1):  # the other sequence's turn between: its binding is its own
+                (row,) = backend.eval([Span(seq, start, TOKENS[start:end])])
+                assert kld(truth[end - 1 : end], row[None]) < 1e-6, f"sequence {seq}, tokens {start} to {end}"
 
 
 def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(tmp_path):
