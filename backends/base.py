@@ -59,13 +59,21 @@ class Span:
     """Tokens of sequence ``seq`` at positions ``start, start + 1, ...``.
 
     ``start`` must equal the number of positions the sequence holds. With ``all_logits``
-    the backend returns every token's logits, else only the last one's.
+    the backend returns every token's logits, else only the last one's. With ``argmax`` (and not
+    ``all_logits``) the caller wants only the last row's greedy token: a backend may return that
+    instead of the row (``ARGMAX_NOT_FINITE`` where the winner is a NaN or an infinity), which
+    spares a device the row's trip back.
     """
 
     seq: int
     start: int
     tokens: Sequence[int]
     all_logits: bool = False
+    argmax: bool = False
+
+
+# What a backend returns for an ``argmax`` span whose winning logit is not finite: NaN wins, as in numpy's argmax.
+ARGMAX_NOT_FINITE = -1
 
 
 @runtime_checkable
@@ -135,7 +143,8 @@ class Backend(Protocol):
         """Append each span's tokens to its sequence's cache, all in one forward pass; return their logits.
 
         One float32 array per span: its last token's ``(n_vocab,)`` logits, or
-        ``(len(tokens), n_vocab)`` with ``all_logits``. An array may be a view of the
+        ``(len(tokens), n_vocab)`` with ``all_logits``; for an ``argmax`` span, that row or a 0-d
+        int64 array holding its argmax (``Span``). An array may be a view of the
         backend's own buffer, valid until the next call; copy it to keep it. Two spans
         may not name the same sequence. A span may hold more tokens than ``batch_size``: the
         backend splits it. Every refusal (an unknown or repeated sequence, a start that is not

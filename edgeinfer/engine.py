@@ -21,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.backends import choose_backend
-from edgeinfer.backends.base import CPU, DEFAULT_BATCH_SIZE, Backend, BackendOptions, Span, check_options
+from edgeinfer.backends.base import (
+    ARGMAX_NOT_FINITE,
+    CPU,
+    DEFAULT_BATCH_SIZE,
+    Backend,
+    BackendOptions,
+    Span,
+    check_options,
+)
 from edgeinfer.chat import CHATML_MARKER, MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
@@ -480,7 +488,7 @@ class Engine:
             if not running:
                 return
             self._make_room(running)
-            spans = [Span(g.seq, len(g.state.tokens), (token,)) for g, token in stepping]
+            spans = [Span(g.seq, len(g.state.tokens), (token,), argmax=g.params.argmax_only) for g, token in stepping]
             t = perf_counter()
             rows = backend.eval(spans)
             elapsed = perf_counter() - t
@@ -611,14 +619,19 @@ class _Generation:
         """Draw the next token. Sets ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
         m, params, logits = self.metrics, self.params, self.logits
         t = perf_counter()
-        try:
-            token = self.sampler(logits, self.state.tokens)
-        except ValueError:  # the sampler refuses a row whose largest logit is NaN or infinite
-            if not np.isfinite(logits).all():
-                raise _corrupt(self.model_name) from None
-            raise
-        if not math.isfinite(logits[token]):  # a NaN wins the argmax: one look instead of a pass over the row
-            raise _corrupt(self.model_name)
+        if logits.ndim == 0:  # the backend's own argmax of the row (Span.argmax)
+            token = int(logits)
+            if token == ARGMAX_NOT_FINITE:
+                raise _corrupt(self.model_name)
+        else:
+            try:
+                token = self.sampler(logits, self.state.tokens)
+            except ValueError:  # the sampler refuses a row whose largest logit is NaN or infinite
+                if not np.isfinite(logits).all():
+                    raise _corrupt(self.model_name) from None
+                raise
+            if not math.isfinite(logits[token]):  # a NaN wins the argmax: one look instead of a pass over the row
+                raise _corrupt(self.model_name)
         if params.logprobs:  # the router's signals, only when asked: a pass over the whole row
             logprob, entropy = confidence(logits, token)
         t_sampled = perf_counter()

@@ -51,6 +51,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # report each token's log-probability and the entropy it was drawn from (Result)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether each token is its row's argmax and nothing else of the row is read: greedy, with no repetition
+        penalty and no logprobs. A backend may then hand back the token alone (``Span.argmax``)."""
+        penalized = self.repetition_penalty != 1.0 and self.repeat_last_n > 0
+        return self.temperature == 0 and not penalized and not self.logprobs
+
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):

@@ -28,7 +28,7 @@ from gguf import GGUFValue, GGUFValueType
 
 from edgeinfer import BackendError, BackendUnavailableError, EdgeInferError, Engine
 from edgeinfer.backends import BACKENDS, backend_class
-from edgeinfer.backends.base import CPU, Backend, BackendOptions, Span
+from edgeinfer.backends.base import ARGMAX_NOT_FINITE, CPU, Backend, BackendOptions, Span
 from edgeinfer.models.info import ModelInfo, load_model_info
 from edgeinfer.streams import drain
 from edgeinfer.tokenizer import Tokenizer
@@ -564,6 +564,25 @@ def test_cancel_mid_prefill_stops_between_chunks_and_leaves_the_engine_sound(cls
     with Engine(tiny["llama"], **options) as fresh:
         cold = fresh.generate("the cat sat on", max_tokens=8, temperature=0, ignore_eos=True)
     assert after.tokens == cold.tokens and len(cold.tokens) == 8
+
+
+def test_an_argmax_span_gives_its_row_or_the_rows_greedy_token(cls, infos):
+    """``Span.argmax``: a backend may answer with the last row's argmax alone (a device spares the row's trip);
+    either way greedy takes the same token. A row that is not finite stays recognisable as such."""
+    with opened(cls, infos["llama"]) as backend:
+        logits(backend, Span(0, 0, TOKENS[:20]))
+        for tokens in (TOKENS[20:21], TOKENS[20:24]):  # a decode step, and a span whose last row counts
+            (row,) = logits(backend, Span(0, 20, tokens))
+            backend.truncate(0, 20)
+            (answer,) = backend.eval([Span(0, 20, tokens, argmax=True)])
+            backend.truncate(0, 20)
+            if answer.ndim:
+                assert np.array_equal(answer, row)
+            else:
+                assert answer.dtype == np.int64 and int(answer) == int(row.argmax())
+    with opened(cls, infos["nan"]) as backend:
+        (answer,) = backend.eval([Span(0, 0, TOKENS[:4], argmax=True)])
+        assert int(answer) == ARGMAX_NOT_FINITE if answer.ndim == 0 else not np.isfinite(answer).all()
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf"])

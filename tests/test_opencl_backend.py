@@ -252,6 +252,69 @@ def test_half_bits_reads_every_finite_half_as_its_value():
     assert np.array_equal(out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
 
 
+def test_the_device_argmax_is_numpys_and_marks_a_row_that_is_not_finite():
+    """ops.cl's argmax_part and argmax_join on rows made to catch it out: the first of equal maxima, across the
+    parts' stretches too; a NaN wins wherever it is; an infinite or all-minus-infinite winner is marked -1."""
+    from edgeinfer.backends.base import ARGMAX_NOT_FINITE
+    from edgeinfer.backends.opencl.backend import ARGMAX_PARTS, KERNELS
+
+    _, cl_device = choose_device(None)
+    context = cl.Context([cl_device])
+    queue = cl.CommandQueue(context)
+    program = cl.Program(context, (KERNELS / "ops.cl").read_text()).build(options=["-DHEAD_DIM=64", "-DSPLITS=1"])
+    part, join = cl.Kernel(program, "argmax_part"), cl.Kernel(program, "argmax_join")
+    rng = np.random.default_rng(5)
+
+    def device_argmax(row: np.ndarray) -> int:
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        logits = cl.Buffer(context, flags, hostbuf=row.astype(np.float32))
+        best, at, token = (cl.Buffer(context, cl.mem_flags.READ_WRITE, ARGMAX_PARTS * 4) for _ in range(3))
+        stretch = np.int32(-(-row.size // ARGMAX_PARTS))
+        part(queue, (ARGMAX_PARTS,), None, logits, np.int32(row.size), stretch, best, at)
+        join(queue, (1,), None, best, at, np.int32(ARGMAX_PARTS), token)
+        out = np.empty(1, np.int32)
+        cl.enqueue_copy(queue, out, token)
+        return int(out[0])
+
+    for n in (1, 7, 1000, 49152):  # fewer logits than parts, a length no multiple of them, SmolLM2's
+        row = rng.standard_normal(n).astype(np.float32)
+        assert device_argmax(row) == int(row.argmax()), n
+        row[[n // 3, n // 2, n - 1]] = row.max() + 1  # equal maxima, the first in an earlier part
+        assert device_argmax(row) == int(row.argmax()) == n // 3, n
+    row = rng.standard_normal(1000).astype(np.float32)
+    for poison, at in ((np.nan, 900), (np.nan, 3), (np.inf, 500)):
+        bad = row.copy()
+        bad[at] = poison
+        assert device_argmax(bad) == ARGMAX_NOT_FINITE, (poison, at)
+    assert device_argmax(np.full(1000, -np.inf, np.float32)) == ARGMAX_NOT_FINITE
+    some = row.copy()
+    some[::2] = -np.inf  # minus infinity is a logit like any other, if it does not win
+    assert device_argmax(some) == int(some.argmax())
+
+
+def test_a_greedy_decode_brings_back_the_token_alone(model_path, monkeypatch):
+    """The engine marks a greedy step's span argmax; this backend answers with the token. The answer is the
+    one the same steps give when the rows come back (logprobs make the engine read them)."""
+    with Engine(model_path, backend="opencl", kv_budget="256tok", threads=2) as engine:
+        answers = []
+        real_eval = engine.backend.eval
+
+        def recording(spans):
+            out = real_eval(spans)
+            answers.extend((span.argmax, row.ndim) for span, row in zip(spans, out, strict=True))
+            return out
+
+        monkeypatch.setattr(engine.backend, "eval", recording)
+        greedy = engine.generate("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True)
+        assert answers[-5:] == [(True, 0)] * 5  # the five steps after the prompt: the token, no row
+        engine.reset()
+        answers.clear()
+        rows_read = engine.generate("The capital of France is", max_tokens=6, temperature=0, ignore_eos=True,
+                                    logprobs=True)  # fmt: skip
+        assert answers[-5:] == [(False, 1)] * 5
+    assert rows_read.tokens == greedy.tokens
+
+
 @pytest.mark.parametrize("stacked", [True, False], ids=["gate-in-the-product", "gate-kernel"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_token_at_a_time_agrees_with_the_reference_with_the_gate_in_the_product_or_its_own(

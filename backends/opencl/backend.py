@@ -2,17 +2,18 @@
 
 Weights are uploaded once, the quantized ones in the flat layout the kernels read (scales apart
 from codes). Each chunk of tokens runs as a chain of kernels: ``products.cl`` for every product, ``ops.cl``
-for norms, RoPE, the KV cache and attention. Only the logits row comes back. The KV cache lives in
-device buffers, f16 or f32, in cells that sequences share as llama.cpp's unified cache shares them
-(``backends/cells.py``): a copied prefix shares its cells, and an eviction re-rotates the kept keys
-on the device. The embedding rows are dequantized on the host, from the mapped file.
+for norms, RoPE, the KV cache, attention and the greedy token. Only the logits row, or the token, comes
+back. The KV cache lives in device buffers, f16 or f32, in cells that sequences share as llama.cpp's
+unified cache shares them (``backends/cells.py``): a copied prefix shares its cells, and an eviction
+re-rotates the kept keys on the device. The embedding rows are dequantized on the host, from the mapped file.
 
 A prompt runs in chunks of ``batch_size`` tokens: each matrix is dequantized to float32 into one scratch
 buffer and multiplied by the chunk's rows in tiles (``gemm``); a token being decoded runs matrix-vector
 kernels on the blocks themselves, each product in the shape (rows a work-item, group size) measured
 fastest for its type and size on this device at the first load (``tuning.py``). Attention splits each
-head's positions into parts that run side by side, joined after. Not yet here: a device-side argmax,
-tuned tiles for the prompt's products, and kernels for Q2_K, Q3_K, Q5_1, Q5_K and the IQ types.
+head's positions into parts that run side by side, joined after. A greedy step (``Span.argmax``) takes its
+token's argmax on the device, and only the token comes back. Not yet here: tuned tiles for the prompt's
+products, and kernels for Q2_K, Q3_K, Q5_1, Q5_K and the IQ types.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ class OpenCLBackend(PooledBackend):
         self._gate_up = self._scratch(rows * 2 * hp.n_ff * f)
         self._last = self._scratch(hp.n_embd * f)  # the normed row the head multiplies
         self._logits = self._scratch(hp.n_vocab * f)
+        self._token = self._scratch(4)  # the greedy token of an argmax span: all that comes back of its row
         self._cells = self._scratch(options.kv_tokens * 4)
         self._start = self._scratch(4)  # the chunk's first position
         self._dequantized = self._scratch(4 * _largest_matrix(info))
@@ -234,6 +236,12 @@ class OpenCLBackend(PooledBackend):
         self._angles = {hp.layer_rope_base(layer): (self._scratch(half), self._scratch(half))
                         for layer in range(hp.n_layer)}  # fmt: skip  # cos, sin: a row a token
         self._body, self._tail, self._head = self._plan(tensors)
+        best, at = self._scratch(ARGMAX_PARTS * f), self._scratch(ARGMAX_PARTS * 4)
+        stretch = np.int32(-(-hp.n_vocab // ARGMAX_PARTS))
+        self._argmax = (
+            self._launch("ops.cl", "argmax_part", ARGMAX_PARTS, self._logits, np.int32(hp.n_vocab), stretch, best, at),
+            self._launch("ops.cl", "argmax_join", 1, best, at, np.int32(ARGMAX_PARTS), self._token),
+        )
 
     def _plan(self, tensors: GGUFTensors) -> tuple[list[Launch | Product], Launch, Product]:
         """Every kernel of a chunk with its arguments set, weights uploaded as it goes: the layers; the last
@@ -343,7 +351,9 @@ class OpenCLBackend(PooledBackend):
                     chunk = span.tokens[first : first + self._rows]
                     last = first + len(chunk) == len(span.tokens)
                     wanted = range(len(chunk)) if span.all_logits else [len(chunk) - 1] if last else []
-                    rows += self._run(chunk, span.start + first, wanted)
+                    # A softcap's tanh can make two large logits equal, which their raw values are not.
+                    argmax = span.argmax and not span.all_logits and not self._hp.logit_softcap
+                    rows += self._run(chunk, span.start + first, wanted, argmax)
                 out.append(np.stack(rows) if span.all_logits else rows[-1])
         except cl.Error as exc:
             for span in spans:  # a failed evaluation changes nothing
@@ -550,9 +560,10 @@ class OpenCLBackend(PooledBackend):
         cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
         return cos, sin
 
-    def _run(self, tokens: Sequence[int], start: int, wanted: Sequence[int]) -> list[np.ndarray]:
+    def _run(self, tokens: Sequence[int], start: int, wanted: Sequence[int], argmax: bool) -> list[np.ndarray]:
         """A chunk of one sequence's tokens from position ``start``, its keys and values into their cells (the
-        sequence's cells, uploaded); the logits of the tokens ``wanted`` (indices into the chunk)."""
+        sequence's cells, uploaded); the logits of the tokens ``wanted`` (indices into the chunk), or with
+        ``argmax`` the last one's greedy token alone (``Span.argmax``)."""
         hp, queue, n = self._hp, self._queue, len(tokens)
         x = dequantize(self._embedding[np.asarray(tokens)], self._embedding_type).reshape(n, hp.n_embd)
         if hp.arch.embed_scale:
@@ -571,6 +582,13 @@ class OpenCLBackend(PooledBackend):
         for t in wanted:
             cl.enqueue_copy(queue, self._last, self._h, src_offset=4 * t * hp.n_embd, byte_count=4 * hp.n_embd)
             self._head.enqueue(queue)
+            if argmax and t == wanted[-1]:
+                for launch in self._argmax:
+                    launch.enqueue(queue)
+                token = np.empty(1, np.int32)
+                cl.enqueue_copy(queue, token, self._token)  # blocking: the token is the chunk's result
+                rows.append(np.array(token[0], np.int64))
+                continue
             row = np.empty(hp.n_vocab, np.float32)
             cl.enqueue_copy(queue, row, self._logits)  # blocking: the row is the chunk's result
             if hp.logit_softcap:
@@ -579,6 +597,10 @@ class OpenCLBackend(PooledBackend):
             rows.append(row)
         return rows
 
+
+# Work-items that scan a row of logits for its greedy token (argmax_part), each a stretch of the row: enough for
+# a GPU's cores, few enough that joining them is one work-item's short loop.
+ARGMAX_PARTS = 256
 
 # The products of a layer, each over matrices that one product can stack when they share a type.
 LAYER_PRODUCTS = (

@@ -177,3 +177,40 @@ __kernel void attention_join(__global const float *parts, __global float *out) {
     for (int c = 0; c < CHUNKS; c++)
         vstore8(acc[c] / total, ((size_t)t * n_head + h) * CHUNKS + c, out);
 }
+
+// The greedy token of a row of n logits, in two kernels, so that only it comes back: each work-item of
+// argmax_part scans `stretch` logits for the largest and where it is (the first of equals, and a NaN above
+// everything: numpy's argmax), and argmax_join picks among the parts, writing -1 where the winner is not
+// finite (the engine's sign of corrupt weights).
+__kernel void argmax_part(__global const float *row, int n, int stretch, __global float *best, __global int *at) {
+    int part = get_global_id(0);
+    int begin = min(part * stretch, n), end = min(begin + stretch, n);
+    float top = -INFINITY;
+    int where = begin;
+    for (int i = begin; i < end; i++) {
+        float v = row[i];
+        if (isnan(v)) {
+            top = v;
+            where = i;
+            break;
+        }
+        if (v > top) {
+            top = v;
+            where = i;
+        }
+    }
+    best[part] = top;
+    at[part] = where;
+}
+
+__kernel void argmax_join(__global const float *best, __global const int *at, int parts, __global int *token) {
+    float top = best[0];
+    int where = at[0];
+    for (int p = 1; p < parts && !isnan(top); p++) {
+        if (isnan(best[p]) || best[p] > top) {
+            top = best[p];
+            where = at[p];
+        }
+    }
+    token[0] = isfinite(top) ? where : -1;
+}
