@@ -271,7 +271,7 @@ def test_the_device_argmax_is_numpys_and_marks_a_row_that_is_not_finite():
         best, at, token = (cl.Buffer(context, cl.mem_flags.READ_WRITE, ARGMAX_PARTS * 4) for _ in range(3))
         stretch = np.int32(-(-row.size // ARGMAX_PARTS))
         part(queue, (ARGMAX_PARTS,), None, logits, np.int32(row.size), stretch, best, at)
-        join(queue, (1,), None, best, at, np.int32(ARGMAX_PARTS), token)
+        join(queue, (1,), None, best, at, np.int32(ARGMAX_PARTS), np.int32(ARGMAX_NOT_FINITE), token)
         out = np.empty(1, np.int32)
         cl.enqueue_copy(queue, out, token)
         return int(out[0])

@@ -41,7 +41,7 @@ from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import GGUFTensors, open_tensors
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
-from ..base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
+from ..base import ARGMAX_NOT_FINITE, CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 from ..cells import CellPool, PooledBackend
 from .device import INSTALL_HINT, choose_device, opencl_devices
 from .tuning import Shape, Timer, record_shapes, recorded_shapes, shape_key, tuning_path
@@ -236,11 +236,13 @@ class OpenCLBackend(PooledBackend):
         self._angles = {hp.layer_rope_base(layer): (self._scratch(half), self._scratch(half))
                         for layer in range(hp.n_layer)}  # fmt: skip  # cos, sin: a row a token
         self._body, self._tail, self._head = self._plan(tensors)
-        best, at = self._scratch(ARGMAX_PARTS * f), self._scratch(ARGMAX_PARTS * 4)
+        best, at = self._scratch(ARGMAX_PARTS * f), self._scratch(ARGMAX_PARTS * 4)  # float32s, int32s
         stretch = np.int32(-(-hp.n_vocab // ARGMAX_PARTS))
         self._argmax = (
             self._launch("ops.cl", "argmax_part", ARGMAX_PARTS, self._logits, np.int32(hp.n_vocab), stretch, best, at),
-            self._launch("ops.cl", "argmax_join", 1, best, at, np.int32(ARGMAX_PARTS), self._token),
+            self._launch(
+                "ops.cl", "argmax_join", 1, best, at, np.int32(ARGMAX_PARTS), np.int32(ARGMAX_NOT_FINITE), self._token
+            ),
         )
 
     def _plan(self, tensors: GGUFTensors) -> tuple[list[Launch | Product], Launch, Product]:

@@ -180,8 +180,8 @@ __kernel void attention_join(__global const float *parts, __global float *out) {
 
 // The greedy token of a row of n logits, in two kernels, so that only it comes back: each work-item of
 // argmax_part scans `stretch` logits for the largest and where it is (the first of equals, and a NaN above
-// everything: numpy's argmax), and argmax_join picks among the parts, writing -1 where the winner is not
-// finite (the engine's sign of corrupt weights).
+// everything: numpy's argmax), and argmax_join picks among the parts, writing `not_finite` where the winner is
+// not finite (the engine's sign of corrupt weights).
 __kernel void argmax_part(__global const float *row, int n, int stretch, __global float *best, __global int *at) {
     int part = get_global_id(0);
     int begin = min(part * stretch, n), end = min(begin + stretch, n);
@@ -203,7 +203,8 @@ __kernel void argmax_part(__global const float *row, int n, int stretch, __globa
     at[part] = where;
 }
 
-__kernel void argmax_join(__global const float *best, __global const int *at, int parts, __global int *token) {
+__kernel void argmax_join(__global const float *best, __global const int *at, int parts, int not_finite,
+                          __global int *token) {
     float top = best[0];
     int where = at[0];
     for (int p = 1; p < parts && !isnan(top); p++) {
@@ -212,5 +213,5 @@ __kernel void argmax_join(__global const float *best, __global const int *at, in
             where = at[p];
         }
     }
-    token[0] = isfinite(top) ? where : -1;
+    token[0] = isfinite(top) ? where : not_finite;
 }
