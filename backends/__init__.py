@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 
 from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError
+from edgeinfer.kv import MIN_KV_TOKENS
 from edgeinfer.models.info import ModelInfo
 
-from .base import Backend, BackendOptions
+from .base import CPU, Backend, BackendOptions
 
 log = logging.getLogger("edgeinfer.backends")
 
 # name -> "module:Class", in the order "auto" tries them. A backend registered here runs
 # through tests/test_backend_conformance.py without further ado.
 BACKENDS: dict[str, str] = {
+    "vulkan": "edgeinfer.backends.vulkan:VulkanBackend",  # first: a real GPU the model fits is auto's choice
     "llamacpp": "edgeinfer.backends.llamacpp:LlamaCppBackend",
     "onnxruntime": "edgeinfer.backends.onnx.backend:OnnxRuntimeBackend",
     "opencl": "edgeinfer.backends.opencl.backend:OpenCLBackend",
@@ -37,8 +40,12 @@ def backend_class(name: str) -> type[Backend]:
     return getattr(module, class_name)
 
 
-def choose_backend(name: str, info: ModelInfo) -> type[Backend]:
-    """The backend to run ``info`` on: ``name``, or for ``"auto"`` the first that loads here and supports it.
+def choose_backend(
+    name: str, info: ModelInfo, options: Callable[[type[Backend]], BackendOptions] | None = None
+) -> type[Backend]:
+    """The backend to run ``info`` on: ``name``, or for ``"auto"`` the first that loads here and supports it,
+    passing over a GPU emulated on the CPU or one the model does not fit (``_passed_over``) with the options
+    ``options(cls)`` would load it with (by default the smallest KV cache).
 
     Raises BackendUnavailableError naming each backend's reason when none can.
     """
@@ -54,11 +61,33 @@ def choose_backend(name: str, info: ModelInfo) -> type[Backend]:
     reasons = []
     for status_name, status in backend_status(info).items():
         if status == AVAILABLE:
+            cls = backend_class(status_name)
+            # Options it cannot honour are the caller's to fix, not a reason to look further (InvalidOptionError).
+            loading = options(cls) if options is not None else BackendOptions(kv_tokens=MIN_KV_TOKENS)
+            status = _passed_over(cls, info, loading) or AVAILABLE
+        if status == AVAILABLE:
             if reasons:
                 log.info("auto chose %s for %s; skipped %s", status_name, info.path.name, "; ".join(reasons))
             return backend_class(status_name)
         reasons.append(f"{status_name}: {status}")
     raise BackendUnavailableError(f"no backend can run {info.path.name} here (" + "; ".join(reasons) + ")")
+
+
+def _passed_over(cls: type[Backend], info: ModelInfo, options: BackendOptions) -> str | None:
+    """Why auto passes over a backend that runs ``info``: where it runs by default (no device asked for) is a GPU
+    emulated on the CPU, or its device's free memory does not fit the model and its cache; None where auto may
+    choose it."""
+    default = cls.devices()[0]
+    if options.device == CPU and default.emulated:
+        return f"its device is emulated on the CPU ({default.description}); --backend {cls.name} runs it there"
+    need = cls.memory(info, options)
+    if need.device_free is not None and need.device_bytes > need.device_free:
+        mib = 2**20
+        return (
+            f"{info.path.name} needs {need.device_bytes / mib:,.0f} MiB on {need.device}, which has "
+            f"{need.device_free / mib:,.0f} MiB free; --backend {cls.name} --gpu-layers N puts part of it there"
+        )
+    return None
 
 
 def backend_status(info: ModelInfo | None = None) -> dict[str, str]:

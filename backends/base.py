@@ -12,6 +12,7 @@ has shared it (where the backend ``shares_cells``). Positions are 0-based and co
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
@@ -52,6 +53,7 @@ class Device:
     description: str
     free_bytes: int | None = None  # the device's own memory; None for the CPU (host RAM is checked instead)
     total_bytes: int | None = None
+    emulated: bool = False  # a GPU's interface run on the CPU (Mesa's lavapipe): for tests, never auto's choice
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ class Backend(Protocol):
 
     @classmethod
     def devices(cls) -> list[Device]:
-        """Where it can run here, the CPU first."""
+        """Where it can run here, first where it runs unless told, named ``cpu``: the CPU, or its default device
+        (whose memory, a GPU's, ``free_bytes`` gives)."""
         ...
 
     @classmethod
@@ -180,26 +183,32 @@ class Backend(Protocol):
         ...
 
 
-def check_options(backend: type[Backend], options: BackendOptions) -> None:
-    """Refuse options a backend cannot honour, in one line naming the choices."""
+def check_options(backend: type[Backend], options: BackendOptions) -> BackendOptions:
+    """``options`` with its device by name (``--device 1``: the backend's second device after its default), or a
+    one-line refusal of what the backend cannot honour, naming the choices."""
     if options.kv_type not in backend.kv_types:
         raise InvalidOptionError(
             f"KV type {options.kv_type!r} is not supported by the {backend.name} backend; "
             f"choose one of {', '.join(backend.kv_types)}"
         )
-    if options.device == CPU:
-        if options.gpu_layers > 0:
-            raise InvalidOptionError("--gpu-layers needs a GPU device (--device); the CPU holds every layer already")
-        return
-    names = [d.name for d in backend.devices()]
+    devices = backend.devices()
+    names = [d.name for d in devices]
+    index = options.device
+    if index.isascii() and index.isdigit() and index not in names and int(index) < len(devices) - 1:
+        options = dataclasses.replace(options, device=names[int(index) + 1])
     if options.device not in names:
         raise InvalidOptionError(
-            f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}"
+            f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)} "
+            "(`edgeinfer info` lists every backend's devices)"
         )
-    if options.gpu_layers == 0:
-        raise InvalidOptionError(
-            f"--gpu-layers 0 puts nothing on {options.device}; give a number of layers, or -1 for all"
-        )
+    gpu = options.device if options.device != CPU else None
+    if gpu is None and devices[0].free_bytes is not None:  # the default device is not the host: a GPU's memory
+        gpu = devices[0].description
+    if options.gpu_layers > 0 and gpu is None:
+        raise InvalidOptionError("--gpu-layers needs a GPU device (--device); the CPU holds every layer already")
+    if options.gpu_layers == 0 and gpu is not None:
+        raise InvalidOptionError(f"--gpu-layers 0 puts nothing on {gpu}; give a number of layers, or -1 for all")
+    return options
 
 
 def compute_bytes(info: ModelInfo, options: BackendOptions) -> int:

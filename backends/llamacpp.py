@@ -10,11 +10,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import re
 import signal
+import sys
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
@@ -30,6 +34,8 @@ from .base import CPU, BackendOptions, Device, Span, check_copy, check_sequence,
 
 log = logging.getLogger("edgeinfer.llamacpp")
 
+VULKAN_REGISTRY = "Vulkan"  # ggml's name for the backend serving Vulkan devices
+
 # Recent llama.cpp log lines, so a failed load can say why instead of "returned NULL".
 _recent_log: deque[str] = deque(maxlen=20)
 _init_lock = threading.Lock()
@@ -44,9 +50,39 @@ def llama_lib() -> ModuleType:
         if _lib is None:
             _log_callback = llama_cpp.llama_log_callback(_on_log)
             llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-            llama_cpp.llama_backend_init()
+            with _stderr_to_log():
+                llama_cpp.llama_backend_init()  # registers ggml's backends: Vulkan's opens its devices here
             _lib = llama_cpp
     return _lib
+
+
+@contextlib.contextmanager
+def _stderr_to_log() -> Iterator[None]:
+    """What native code writes to stderr meanwhile goes to the log instead: ggml's Vulkan code writes a failure
+    to open a device there (``GGML_VK_VISIBLE_DEVICES`` naming none, say), past the log callback, and the
+    backend says it in a line of its own."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        sink = tempfile.TemporaryFile()  # noqa: SIM115 - closed by the with below
+    except OSError:  # nowhere to put it: native lines go where they would
+        yield
+        return
+    with sink:
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to take
+            yield
+            return
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode("utf-8", "replace").splitlines():
+                _on_log(0, line.encode(), ctypes.c_void_p(0))
 
 
 def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -87,17 +123,17 @@ def _holding_ctrl_c() -> Iterator[list[int]]:
 def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, device: int | None = None) -> int:
     """Load a GGUF with llama.cpp; returns the model pointer.
 
-    ``gpu_layers`` layers (-1: all) go to ggml device number ``device``; llama-cpp-python's
-    default would offload every layer on a GPU build, so the CPU is the default here.
+    ``gpu_layers`` layers (-1: all) go to ggml device number ``device``. Without a device, llama.cpp
+    gets an empty list of them: llama-cpp-python's defaults would offload every layer on a GPU build,
+    and with no layers offloaded llama.cpp still copies a prompt's weights to a GPU it was given.
     """
     lib = llama_lib()
     params = lib.llama_model_default_params()
     params.vocab_only = vocab_only
-    params.n_gpu_layers = gpu_layers
-    if device is not None:
-        # A NULL-terminated list of the devices to use; it must outlive the load call.
-        devices = (ctypes.c_void_p * 2)(_devices().handle(device), None)
-        params.devices = ctypes.addressof(devices)  # llama-cpp-python declares the field a void pointer
+    params.n_gpu_layers = gpu_layers if device is not None else 0
+    # A NULL-terminated list of the devices to use; it must outlive the load call.
+    devices = (ctypes.c_void_p * 2)(None if device is None else ggml_devices().handle(device), None)
+    params.devices = ctypes.addressof(devices)  # llama-cpp-python declares the field a void pointer
     _recent_log.clear()
     with _holding_ctrl_c() as interrupted:
         model = lib.llama_model_load_from_file(path.encode(), params)
@@ -116,6 +152,14 @@ _LOAD_ERROR = re.compile(r"error loading model: (?:error loading model \w+: )?(.
 _UNKNOWN_ARCH = re.compile(r"unknown model architecture: '(.*)'")
 
 
+def _layer_of(tensor: str) -> int:
+    """The repeating layer a tensor belongs to (``blk.N.``), or -1 for the others (embedding, output, norms)."""
+    if not tensor.startswith("blk."):
+        return -1
+    number = tensor.split(".", 2)[1]
+    return int(number) if number.isdecimal() else -1
+
+
 def _load_error(name: str) -> BackendError:
     """llama.cpp's reason for refusing a file, in one line: its own message where it logged one."""
     lines = list(_recent_log)
@@ -130,10 +174,38 @@ def _load_error(name: str) -> BackendError:
     return BackendError(f"llama.cpp could not load {name}: {reason}")
 
 
+@dataclass(frozen=True)
+class GgmlDevice:
+    """A device of this llama.cpp build, as ggml lists it."""
+
+    index: int  # ggml's, for ggml_backend_dev_get
+    name: str  # lower case, as --device takes it: cpu, vulkan0, cuda0
+    kind: str  # cpu, gpu, igpu (an integrated GPU) or accel
+    registry: str  # the ggml backend serving it: CPU, Vulkan, CUDA, Metal...
+    description: str
+    free_bytes: int
+    total_bytes: int
+    # What ggml does not say, and a backend may know (backends/vulkan.py asks the Vulkan driver):
+    max_tensor_bytes: int | None = None  # the largest tensor a shader can bind; None: no limit known
+    emulated: bool = False  # a GPU's interface run on the CPU (Mesa's lavapipe)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("gpu", "igpu")
+
+    def as_device(self) -> Device:
+        """As the backend contract lists it; memory a driver reports as 0 is unknown, as llama.cpp takes it."""
+        known = self.total_bytes > 0
+        return Device(
+            self.name, self.description, self.free_bytes if known else None, self.total_bytes if known else None,
+            emulated=self.emulated,
+        )  # fmt: skip
+
+
 class _Ggml:
     """The few ggml device functions llama-cpp-python does not bind: which devices exist, and their memory."""
 
-    _GPU_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+    _KINDS = ("cpu", "gpu", "igpu", "accel")  # enum ggml_backend_dev_type, in order
 
     def __init__(self) -> None:
         # The libggml beside the libllama llama_cpp loaded (LLAMA_CPP_LIB_PATH may have put it anywhere):
@@ -152,24 +224,38 @@ class _Ggml:
             ("ggml_backend_dev_description", ctypes.c_char_p, [ctypes.c_void_p]),
             ("ggml_backend_dev_type", ctypes.c_int, [ctypes.c_void_p]),
             ("ggml_backend_dev_memory", None, [ctypes.c_void_p, size_p, size_p]),
+            ("ggml_backend_dev_backend_reg", ctypes.c_void_p, [ctypes.c_void_p]),
+            ("ggml_backend_reg_name", ctypes.c_char_p, [ctypes.c_void_p]),
         ):
             function = getattr(lib, name)
             function.restype, function.argtypes = restype, argtypes
         self._lib = lib
 
-    def gpus(self) -> dict[str, tuple[int, Device]]:
-        """GPU devices by option name (``vulkan0``), with their ggml handle index."""
-        lib, found = self._lib, {}
+    def all(self) -> list[GgmlDevice]:
+        """Every device of the build, the CPU's included, with its memory now. Nothing here opens a device (ggml's
+        buffer types would: a Vulkan one compiles its shaders)."""
+        lib, found = self._lib, []
         for i in range(lib.ggml_backend_dev_count()):
             dev = lib.ggml_backend_dev_get(i)
-            if lib.ggml_backend_dev_type(dev) not in self._GPU_TYPES:
-                continue
             free, total = ctypes.c_size_t(), ctypes.c_size_t()
             lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-            name = lib.ggml_backend_dev_name(dev).decode().lower()
-            description = lib.ggml_backend_dev_description(dev).decode(errors="replace")
-            found[name] = (i, Device(name, description, free.value, total.value))
+            kind = lib.ggml_backend_dev_type(dev)
+            found.append(
+                GgmlDevice(
+                    index=i,
+                    name=lib.ggml_backend_dev_name(dev).decode().lower(),
+                    kind=self._KINDS[kind] if 0 <= kind < len(self._KINDS) else f"type {kind}",
+                    registry=lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev)).decode(),
+                    description=lib.ggml_backend_dev_description(dev).decode(errors="replace"),
+                    free_bytes=free.value,
+                    total_bytes=total.value,
+                )
+            )
         return found
+
+    def gpus(self) -> dict[str, GgmlDevice]:
+        """GPU devices by option name (``vulkan0``)."""
+        return {device.name: device for device in self.all() if device.is_gpu}
 
     def handle(self, index: int) -> int:
         return self._lib.ggml_backend_dev_get(index)
@@ -195,7 +281,7 @@ def _loaded_llama() -> ctypes.CDLL:
     return llama_cpp.llama_cpp._lib
 
 
-def _devices() -> _Ggml:
+def ggml_devices() -> _Ggml:
     global _ggml
     llama_lib()  # registers ggml's backends
     with _init_lock:
@@ -205,7 +291,7 @@ def _devices() -> _Ggml:
 
 
 class LlamaCppBackend:
-    """llama.cpp on the CPU, or on a GPU its build supports (Vulkan, CUDA, Metal)."""
+    """llama.cpp on the CPU, or on a CUDA or Metal GPU its build supports (Vulkan's: ``backends/vulkan.py``)."""
 
     name: ClassVar[str] = "llamacpp"
     kv_block: ClassVar[int] = 256  # llama.cpp pads n_ctx up to a multiple of 256
@@ -216,6 +302,7 @@ class LlamaCppBackend:
         "q8_0": "GGML_TYPE_Q8_0",
         "f32": "GGML_TYPE_F32",
     }
+    _elsewhere: ClassVar[str] = ""  # what a failure on the device adds: where else the model runs
     _KV_TYPE_BYTES: ClassVar[dict[str, float]] = {"f16": 2.0, "q8_0": 34 / 32, "f32": 4.0}  # q8_0: 32 values in 34 B
 
     @classmethod
@@ -238,9 +325,24 @@ class LlamaCppBackend:
 
     @classmethod
     def devices(cls) -> list[Device]:
-        return [Device(CPU, "the CPU, through llama.cpp's CPU kernels")] + [
-            device for _, device in _devices().gpus().values()
-        ]
+        return [Device(CPU, "the CPU, through llama.cpp's CPU kernels")] + [gpu.as_device() for gpu in cls._gpus()]
+
+    @classmethod
+    def _gpus(cls) -> list[GgmlDevice]:
+        """The GPUs this backend places layers on: the build's, but Vulkan's, which the vulkan backend serves."""
+        return [gpu for gpu in ggml_devices().gpus().values() if gpu.registry != VULKAN_REGISTRY]
+
+    @classmethod
+    def _placed_on(cls, options: BackendOptions) -> GgmlDevice | None:
+        """The GPU ``options`` put layers on; None for the CPU alone."""
+        if options.device == CPU:
+            return None
+        gpus = {gpu.name: gpu for gpu in cls._gpus()}
+        if options.device not in gpus:
+            raise InvalidOptionError(
+                f"the {cls.name} backend has no device {options.device!r} here; choose one of {', '.join([CPU, *gpus])}"
+            )
+        return gpus[options.device]
 
     @classmethod
     def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
@@ -250,19 +352,27 @@ class LlamaCppBackend:
     def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
         kv = int(-(-options.kv_tokens // cls.kv_block) * cls.kv_block * cls.kv_bytes_per_token(info, options.kv_type))
         overhead = BASE_OVERHEAD_BYTES + compute_bytes(info, options)
-        if options.device == CPU:
+        gpu = cls._placed_on(options)
+        if gpu is None:
             return MemoryNeed(weights=info.file_size, kv=kv, overhead=overhead)  # the file, mapped as it is
+        # llama.cpp counts the output layer as one more, the first it offloads, then the repeating layers from the
+        # last, each with its part of the cache. The input embedding stays on the host (a tied output matrix is
+        # copied to the device); the compute buffers are the device's.
         n_layer = info.hparams.n_layer
-        on_device = n_layer if options.gpu_layers < 0 else min(options.gpu_layers, n_layer)
-        share = on_device / n_layer  # each offloaded layer takes its weights and its KV along
-        _, device = _devices().gpus()[options.device]
+        on_device = n_layer + 1 if options.gpu_layers < 0 else min(options.gpu_layers, n_layer + 1)
+        first_offloaded = n_layer - max(on_device - 1, 0)
+        sizes = {t.name: t.nbytes for t in info.tensors}
+        layers = sum(size for name, size in sizes.items() if _layer_of(name) >= first_offloaded)
+        output = sizes.get("output.weight", sizes.get("token_embd.weight", 0)) if on_device else 0
+        on_host = info.file_size - layers - (output if "output.weight" in sizes else 0)
+        kv_on_device = kv * (n_layer - first_offloaded) // n_layer
         return MemoryNeed(
-            weights=int(info.file_size * (1 - share)),
-            kv=int(kv * (1 - share)),
-            overhead=overhead,
-            device=options.device,
-            device_bytes=int((info.file_size + kv) * share),
-            device_free=device.free_bytes,
+            weights=on_host,
+            kv=kv - kv_on_device,
+            overhead=BASE_OVERHEAD_BYTES,
+            device=gpu.name,
+            device_bytes=layers + output + kv_on_device + compute_bytes(info, options),
+            device_free=gpu.free_bytes if gpu.total_bytes else None,
         )
 
     def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
@@ -309,7 +419,9 @@ class LlamaCppBackend:
             if interrupted:
                 raise KeyboardInterrupt  # close() below frees what was made
             if not self._ctx:
-                raise BackendError(f"llama.cpp could not create a context: {last_log_lines() or 'no reason given'}")
+                raise BackendError(
+                    f"llama.cpp could not create a context: {last_log_lines() or 'no reason given'}{self._elsewhere}"
+                )
             self._memory = lib.llama_get_memory(self._ctx)
             if not self._memory:  # llama.cpp gives a model that attends both ways (BERT) no cache
                 raise BackendError(
@@ -333,14 +445,25 @@ class LlamaCppBackend:
             raise
 
     def _load(self, info: ModelInfo, options: BackendOptions) -> Any:
-        if options.device == CPU:
-            return load_model(str(info.path), gpu_layers=0)
-        gpus = _devices().gpus()
-        if options.device not in gpus:
-            raise InvalidOptionError(
-                f"llama.cpp has no device {options.device!r} here; choose one of {', '.join([CPU, *gpus])}"
+        gpu = self._placed_on(options)
+        if gpu is None:
+            return load_model(str(info.path))
+        # Each layer's keys, and its values, are one tensor: one larger than the device can bind aborts llama.cpp.
+        hp = info.hparams
+        cells = -(-options.kv_tokens // self.kv_block) * self.kv_block
+        per_value = self.kv_bytes_per_token(info, options.kv_type) / info.kv_values_per_token
+        largest = cells * hp.n_head_kv * max(hp.head_dim, hp.value_dim or 0) * per_value
+        limit = gpu.max_tensor_bytes
+        if limit is not None and options.gpu_layers != 1 and largest > limit:  # 1: the output layer alone, no cache
+            mib = 2**20
+            raise BackendError(
+                f"a {cells}-token cache puts {largest / mib:,.0f} MiB of keys in a layer, more than the "
+                f"{limit / mib:,.0f} MiB {gpu.name} binds at once; lower --kv-budget{self._elsewhere}"
             )
-        return load_model(str(info.path), gpu_layers=options.gpu_layers, device=gpus[options.device][0])
+        try:
+            return load_model(str(info.path), gpu_layers=options.gpu_layers, device=gpu.index)
+        except BackendError as exc:
+            raise BackendError(f"{exc}{self._elsewhere}") from None
 
     @property
     def capacity(self) -> int:
@@ -414,7 +537,7 @@ class LlamaCppBackend:
             first, last = batch.pos[0], batch.pos[n - 1]
             raise BackendError(
                 f"llama_decode failed with status {status} at positions {first}..{last} "
-                f"of a {self._capacity}-cell cache: {last_log_lines() or 'no reason given'}"
+                f"of a {self._capacity}-cell cache: {last_log_lines() or 'no reason given'}{self._elsewhere}"
             )
 
     def _row(self, i: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from edgeinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from edgeinfer.converters.convert import Step
+    from edgeinfer.models.info import ModelInfo
     from edgeinfer.streams import Stream
 
 _SAMPLING = SamplingParams()
@@ -95,9 +96,10 @@ def _placement_options(fn: F) -> F:
         "device",
         default="cpu",
         show_default=True,
-        help="Where the model runs: cpu, or a GPU its backend offers; for the onnxruntime backend, an execution "
-        "provider by its name, e.g. CUDAExecutionProvider; for opencl, a platform:device index such as 0:1 "
-        "(an unknown name lists them; `edgeinfer info` too).",
+        help="Where the model runs: cpu (the backend's default: the first Vulkan device for vulkan), or a device "
+        "its backend offers, by name or by its index after the default; for vulkan, e.g. vulkan1; for the "
+        "onnxruntime backend, an execution provider by its name, e.g. CUDAExecutionProvider; for opencl, a "
+        "platform:device index such as 0:1 (an unknown name lists them; `edgeinfer info` too).",
     )(fn)
 
 
@@ -521,6 +523,7 @@ def info(model: str | None, as_json: bool) -> None:
         "backends": backend_status(),
         "devices": _devices(),
         "llama_cpp_build": _llama_cpp_build(),
+        "llama_cpp_devices": _llama_cpp_devices(),
     }
     if model is not None:
         meta = load_model_info(resolve_model(model, download=False))
@@ -550,6 +553,7 @@ def info(model: str | None, as_json: bool) -> None:
             if meta.chat_template
             else "none (ChatML, or a User:/Assistant: transcript where the vocabulary lacks ChatML's tokens)",
             "backends": backend_status(meta),  # each: "available", or why it skips this model
+            "auto_backend": _auto_choice(meta),  # None where no backend runs it
         }
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -559,10 +563,17 @@ def info(model: str | None, as_json: bool) -> None:
     click.echo(f"cores:         {report['cores']} usable, {report['free_cores']} free now")
     click.echo(f"RAM available: {report['ram_available_bytes'] / mib:,.0f} MiB")
     click.echo(f"llama.cpp:     {report['llama_cpp_build']}")
+    for device in report["llama_cpp_devices"]:
+        click.echo(
+            f"  ggml device {device['name']} ({device['type']}, {device['registry']}): {device['description']}; "
+            f"{device['free_bytes'] / mib:,.0f} of {device['total_bytes'] / mib:,.0f} MiB free; "
+            f"--backend {device['backend']}"
+        )
     for name, state in report["backends"].items():
         click.echo(f"backend {name}: {state}")
         for device in report["devices"].get(name, []):
-            click.echo(f"  device {device['name']}: {device['description']}")
+            emulated = " (a GPU emulated on the CPU: auto passes it over)" if device["emulated"] else ""
+            click.echo(f"  device {device['name']}: {device['description']}{emulated}")
     if model is not None:
         m = report["model"]
         click.echo(f"\nmodel:         {m['name']} ({m['architecture']})")
@@ -583,13 +594,13 @@ def info(model: str | None, as_json: bool) -> None:
             click.echo("attention:     recurrent layers: the cache cannot drop old tokens (KV policy error)")
         click.echo(f"tensor types:  {', '.join(f'{k} x{v}' for k, v in sorted(m['tensor_types'].items()))}")
         click.echo(f"chat template: {m['chat_template']}")
-        auto = next((name for name, state in m["backends"].items() if state == AVAILABLE), None)
         for i, (name, state) in enumerate(m["backends"].items()):
-            verdict = "supports it" + (" (auto's choice)" if name == auto else "") if state == AVAILABLE else state
+            chosen = " (auto's choice)" if name == m["auto_backend"] else ""
+            verdict = "supports it" + chosen if state == AVAILABLE else state
             click.echo(f"{'backends:' if i == 0 else '':<15}{name}: {verdict}")
 
 
-def _devices() -> dict[str, list[dict[str, str]]]:
+def _devices() -> dict[str, list[dict[str, Any]]]:
     """Where each backend that loads here can run: the names --device takes (ONNX Runtime's providers, OpenCL's
     platform:device indices too), each with what it is."""
     from edgeinfer.backends import BACKENDS, backend_class
@@ -598,10 +609,46 @@ def _devices() -> dict[str, list[dict[str, str]]]:
     found = {}
     for name in BACKENDS:
         try:
-            found[name] = [{"name": d.name, "description": d.description} for d in backend_class(name).devices()]
+            found[name] = [
+                {"name": d.name, "description": d.description, "emulated": d.emulated}
+                for d in backend_class(name).devices()
+            ]
         except BackendUnavailableError:
             continue
     return found
+
+
+def _auto_choice(info: ModelInfo) -> str | None:
+    """The backend ``--backend auto`` runs ``info`` on, with the smallest cache; None where none can."""
+    from edgeinfer.backends import choose_backend
+    from edgeinfer.errors import BackendUnavailableError
+
+    try:
+        return choose_backend("auto", info).name
+    except BackendUnavailableError:
+        return None
+
+
+def _llama_cpp_devices() -> list[dict[str, Any]]:
+    """The devices of the installed llama.cpp build, as ggml lists them, with the backend serving each."""
+    from edgeinfer.errors import NATIVE_LOAD_ERRORS
+
+    try:
+        from edgeinfer.backends.llamacpp import VULKAN_REGISTRY, ggml_devices
+    except NATIVE_LOAD_ERRORS:
+        return []
+    return [
+        {
+            "name": d.name,
+            "type": d.kind,
+            "registry": d.registry,
+            "description": d.description,
+            "free_bytes": d.free_bytes,
+            "total_bytes": d.total_bytes,
+            "backend": "vulkan" if d.registry == VULKAN_REGISTRY else "llamacpp",
+        }
+        for d in ggml_devices().all()
+    ]
 
 
 def _llama_cpp_build() -> str:

@@ -112,9 +112,8 @@ class Engine:
                 raise InvalidOptionError(f"{name} must be at least 1, got {value}")
         self.model_path = resolve_model(model)
         self.info: ModelInfo = load_model_info(self.model_path)
-        backend_cls = choose_backend(backend, self.info)
         self.threads = thread_count(threads)
-        options = BackendOptions(
+        requested = BackendOptions(
             kv_tokens=0,
             kv_type=kv_type,
             threads=self.threads,
@@ -123,15 +122,22 @@ class Engine:
             device=device,
             gpu_layers=gpu_layers,
         )
-        check_options(backend_cls, options)
-        block = backend_cls.kv_block
-        wanted = min(
-            self.kv_budget.capacity(backend_cls.kv_bytes_per_token(self.info, kv_type), block),
-            self.info.hparams.n_ctx_train,
-        )
-        if wanted < MIN_KV_TOKENS:
-            raise InvalidOptionError(f"a KV budget of {wanted} tokens is too small; give at least {MIN_KV_TOKENS}")
-        options = dataclasses.replace(options, kv_tokens=wanted)
+
+        def loading(cls: type[Backend]) -> BackendOptions:
+            """The options ``cls`` would load the model with: its device by name, the budget in its cells."""
+            options = check_options(cls, requested)
+            wanted = min(
+                self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, kv_type), cls.kv_block),
+                self.info.hparams.n_ctx_train,
+            )
+            return dataclasses.replace(options, kv_tokens=wanted)
+
+        backend_cls = choose_backend(backend, self.info, loading)
+        options = loading(backend_cls)
+        if options.kv_tokens < MIN_KV_TOKENS:
+            raise InvalidOptionError(
+                f"a KV budget of {options.kv_tokens} tokens is too small; give at least {MIN_KV_TOKENS}"
+            )
         check_memory(backend_cls.memory(self.info, options), force=force)
 
         self.batch_size = batch_size
@@ -144,7 +150,7 @@ class Engine:
             chatml=self.tokenizer.has_markers(CHATML_MARKER),
         )
         self.backend: Backend = backend_cls(self.info, options)
-        self.capacity = min(wanted, self.backend.capacity)
+        self.capacity = min(options.kv_tokens, self.backend.capacity)
         self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
         self._cache = SequenceCache(self.backend, batch_size, self.capacity)
         self._calls = 0  # counts calls, to find the least recently used sequence

@@ -54,7 +54,7 @@ import llama_cpp
 import numpy as np
 
 from edgeinfer import Engine
-from edgeinfer.backends.llamacpp import llama_lib
+from edgeinfer.backends.llamacpp import llama_lib, load_model
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.system import thread_count
@@ -159,7 +159,8 @@ class Plain:
 
     def __init__(self, path: str, n_ctx: int, threads: int) -> None:
         lib = llama_lib()  # llama_backend_init; the log callback is process-wide for every side anyway
-        self.model = lib.llama_model_load_from_file(path.encode(), lib.llama_model_default_params())
+        # As the backend loads it: on the CPU alone (the defaults would offload to a GPU of a Vulkan build).
+        self.model = load_model(path)
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = N_BATCH
@@ -355,7 +356,7 @@ def main() -> None:
     if not args.no_llama:
         llm = llama_cpp.Llama(
             str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=threads, n_threads_batch=threads,
-            flash_attn=False, no_perf=True, verbose=False,
+            flash_attn=False, no_perf=True, verbose=False, n_gpu_layers=0,
         )  # fmt: skip
         sides["Llama"] = lambda mode: run_llama(llm, text, MODES[mode], n, p)
 

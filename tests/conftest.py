@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from edgeinfer import Engine
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
+
+# llama.cpp lists a Vulkan device that runs on the CPU (Mesa's lavapipe, which `scripts/setup.sh --vulkan`
+# installs) only where this names it: where no GPU is, the vulkan backend's tests and the conformance suite run
+# it there. auto never chooses it, so every other test runs where it would without it.
+os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -66,6 +66,10 @@ AGREEMENT: dict[str, dict[str, tuple[float, float]]] = {
     "mistral-q4_0": {"f32": (3e-3, 0.9), "f16": (3e-3, 0.9), "q8_0": (3e-3, 0.9)},
     "smollm2": {"f32": (0.02, 0.9), "f16": (0.02, 0.9), "q8_0": (0.025, 0.9)},
 }
+# Backends whose products round to half precision whatever the cache: llama.cpp's Vulkan shaders convert
+# activations to f16 on a device that has it. Their f32 cache is held to the f16 bound. Measured on lavapipe,
+# f32 cache: llama 7.5e-7, qwen2 3.2e-6 (f16 cache 5.8e-6), mistral Q4_0 2.7e-4.
+HALF_PRECISION_PRODUCTS = ("vulkan",)
 # Evicting positions 4..23 of 60 on a one-layer model, then 10 more tokens, against a cold run of
 # the 40 kept ones. Measured: f32 1e-13, f16 5e-7, q8_0 2.5e-4 (llama.cpp); keys left unrotated:
 # 0.15 (llama) and 2.2 (qwen2).
@@ -73,7 +77,7 @@ EVICT_KLD = {"f32": 1e-6, "f16": 1e-4, "q8_0": 5e-3}
 # Logits of one sequence evaluated beside another, or continued from a shared prefix, against the
 # same tokens alone: only the batch's shape differs. Measured: llama.cpp 0 (bit-equal) beside another
 # sequence and 5e-14 from a copied prefix; the reference 1.3e-9 (its f16 cache rounds the other batch's
-# keys differently) and 0.
+# keys differently) and 0; llama.cpp on lavapipe (vulkan) 5.6e-6 for a position alone after its chunk.
 SEQUENCE_KLD = 1e-5
 
 
@@ -191,7 +195,13 @@ def test_kv_bytes_and_memory_follow_the_cache_it_lays_out(cls, infos):
         assert size >= info.kv_values_per_token * floor.get(kv, 0.0) and size > 0, (kv, size)
     small = cls.memory(info, BackendOptions(kv_tokens=256, kv_type=cls.kv_types[0]))
     large = cls.memory(info, BackendOptions(kv_tokens=1024, kv_type=cls.kv_types[0]))
-    assert small.device == CPU and small.device_bytes == 0 and small.weights > 0 and small.overhead > 0
+    assert small.overhead > 0
+    if cls.devices()[0].free_bytes is not None:  # by default on a GPU (vulkan): weights and cache are its memory
+        assert small.device != CPU and small.device_free is not None
+        assert small.device_bytes >= info.file_size + 256 * sizes[cls.kv_types[0]]
+        assert large.device_bytes - small.device_bytes >= 768 * sizes[cls.kv_types[0]] - 1
+        return
+    assert small.device == CPU and small.device_bytes == 0 and small.weights > 0
     assert small.kv >= 256 * sizes[cls.kv_types[0]], "the KV cache a CPU backend allocates is host memory"
     assert large.kv - small.kv >= 768 * sizes[cls.kv_types[0]] - 1 and large.total > small.total
 
@@ -240,7 +250,8 @@ def test_agrees_with_the_reference_backend_for_every_kv_type(cls, infos, prompts
         assert np.isfinite(ours).all(), f"{kv_type}: non-finite logits"
         divergence, agree = kld(expected, ours), top1(expected, ours)
         measured.append(f"{kv_type}: KLD {divergence:.2e}, top-1 {agree:.3f}")
-        bound, least = AGREEMENT[model][kv_type]
+        half = kv_type == "f32" and cls.name in HALF_PRECISION_PRODUCTS
+        bound, least = AGREEMENT[model]["f16" if half else kv_type]
         if divergence >= bound or agree < least:
             failures.append(f"{kv_type} beyond KLD {bound:.0e} / top-1 {least}")
     assert not failures, f"{cls.name} on {model}: {'; '.join(failures)} (measured {'; '.join(measured)})"
@@ -341,8 +352,9 @@ def test_filling_to_capacity_works_and_one_more_is_a_clear_error(cls, infos):
         one_line(exc)
         # Still usable: forget the last position and evaluate it again.
         backend.truncate(0, capacity - 1)
-        (again,) = logits(backend, Span(0, capacity - 1, tokens[-1:]))
-        assert_close(last[None], again[None], 1e-6, "the last position again")
+        (again,) = logits(backend, Span(0, capacity - 1, tokens[-1:]))  # alone, where it was in a chunk
+        bound = SEQUENCE_KLD if cls.name in HALF_PRECISION_PRODUCTS else 1e-6  # a vector's kernels, not a chunk's
+        assert_close(last[None], again[None], bound, "the last position again")
 
 
 def test_the_cells_are_one_pool_shared_by_the_sequences(cls, infos):

@@ -98,13 +98,19 @@ def test_info_reports_machine_and_model(runner, model_path):
         "KV heads",
         "8,192 tokens",
         "Q4_1 x210",
-        "backends:      llamacpp: supports it (auto's choice)",
     ):
         assert needle in result.stdout
     report = json.loads(runner.invoke(cli, ["info", "smollm2-135m", "--json"]).stdout)
     assert report["model"]["kv_bytes_per_token_f16"] == 23040 and report["cores"] >= 1
     assert set(report["model"]["backends"]) == set(report["backends"]) >= {"llamacpp", "reference"}
     assert report["model"]["backends"]["llamacpp"] == "available"
+    # auto's choice: llama.cpp on the CPU, unless a real GPU of a Vulkan build is here (lavapipe is not one).
+    real_gpu = report["backends"].get("vulkan") == "available" and not any(
+        d["emulated"] for d in report["devices"]["vulkan"][:1]
+    )
+    chosen = "vulkan" if real_gpu else "llamacpp"
+    assert report["model"]["auto_backend"] == chosen
+    assert result.stdout.count("(auto's choice)") == 1 and f"{chosen}: supports it (auto's choice)" in result.stdout
 
 
 def test_list_shows_the_default_model_on_disk(runner):

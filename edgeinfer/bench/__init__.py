@@ -35,5 +35,6 @@ How it measures:
   at the middle of the answer) divided by the read bandwidth numpy reaches summing a
   buffer of that size (at most 1 GiB) on the same number of threads, best of 3 passes.
   A model that fits in the CPU cache is thus held to the cache's bandwidth, as its
-  backend is. On a GPU (``--device``) there is no roofline: host bandwidth says nothing of it.
+  backend is. On a GPU (``--device``, or the vulkan backend) there is no roofline: host bandwidth says
+  nothing of it.
 """

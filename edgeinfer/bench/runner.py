@@ -71,11 +71,10 @@ def bench(
     ]
     kv_tokens = max(prompt_tokens + gen_tokens, MIN_KV_TOKENS)
     options = BackendOptions(kv_tokens=kv_tokens, threads=threads, device=device, gpu_layers=gpu_layers)
-    for backend in dict.fromkeys(c.backend for c in configs):
-        check_options(backend_class(backend), options)
+    resolved = {backend: check_options(backend_class(backend), options) for backend in {c.backend for c in configs}}
     prompts = {model: exact_prompt(info.path, prompt_tokens) for model, info in infos.items()}
 
-    needs = [backend_class(c.backend).memory(infos[c.model], options) for c in configs]
+    needs = [backend_class(c.backend).memory(infos[c.model], resolved[c.backend]) for c in configs]
     device_free = min((n.device_free for n in needs if n.device_free is not None), default=None)
     fit = sum(n.total for n in needs) < available_ram() and (
         device_free is None or sum(n.device_bytes for n in needs) < device_free
@@ -85,7 +84,9 @@ def bench(
 
     roofline: dict[Config, tuple[int | None, float | None]] = dict.fromkeys(configs, (None, None))
     bandwidths: dict[int, float] = {}  # by bytes read, measured once for configurations that read the same
-    for config in configs if device == CPU else ():  # host bandwidth says nothing of a GPU
+    for config, need in zip(configs, needs, strict=True):
+        if need.device_bytes:  # on a GPU (--device, or the vulkan backend): host bandwidth says nothing of it
+            continue
         per_token = decode_bytes_per_token(infos[config.model], config.backend, prompt_tokens + gen_tokens // 2)
         if per_token not in bandwidths:
             bandwidths[per_token] = read_bandwidth(per_token, threads)
