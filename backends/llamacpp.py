@@ -58,9 +58,9 @@ def llama_lib() -> ModuleType:
 
 @contextlib.contextmanager
 def _stderr_to_log() -> Iterator[None]:
-    """What native code writes to stderr meanwhile goes to the log instead: ggml's Vulkan code writes a failure
-    to open a device there (``GGML_VK_VISIBLE_DEVICES`` naming none, say), past the log callback, and the
-    backend says it in a line of its own."""
+    """What native code writes to stderr meanwhile goes to the log instead: ggml's Vulkan code writes its failures
+    to open a device or allocate its memory there, past the log callback, and the backend says them in a line of
+    its own."""
     if sys.stderr is not None:
         sys.stderr.flush()
     try:
@@ -135,7 +135,7 @@ def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, devi
     devices = (ctypes.c_void_p * 2)(None if device is None else ggml_devices().handle(device), None)
     params.devices = ctypes.addressof(devices)  # llama-cpp-python declares the field a void pointer
     _recent_log.clear()
-    with _holding_ctrl_c() as interrupted:
+    with _holding_ctrl_c() as interrupted, _stderr_to_log():
         model = lib.llama_model_load_from_file(path.encode(), params)
     if interrupted:
         if model:
@@ -414,7 +414,7 @@ class LlamaCppBackend:
             )
             params.no_perf = True
             _recent_log.clear()
-            with _holding_ctrl_c() as interrupted:
+            with _holding_ctrl_c() as interrupted, _stderr_to_log():
                 self._ctx = lib.llama_init_from_model(self._model, params)
             if interrupted:
                 raise KeyboardInterrupt  # close() below frees what was made
@@ -535,9 +535,11 @@ class LlamaCppBackend:
         status = lib.llama_decode(self._ctx, batch)
         if status != 0:
             first, last = batch.pos[0], batch.pos[n - 1]
+            # Below 0 the computation itself failed (a device out of memory, say); 1 is a full cache, 2 a stop.
+            elsewhere = self._elsewhere if status < 0 else ""
             raise BackendError(
                 f"llama_decode failed with status {status} at positions {first}..{last} "
-                f"of a {self._capacity}-cell cache: {last_log_lines() or 'no reason given'}{self._elsewhere}"
+                f"of a {self._capacity}-cell cache: {last_log_lines() or 'no reason given'}{elsewhere}"
             )
 
     def _row(self, i: int) -> np.ndarray:

@@ -184,3 +184,17 @@ def test_a_vulkan_device_that_will_not_open_is_one_line_that_offers_the_cpu(tiny
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert child.returncode == 0 and not child.stderr.strip(), child.stderr
+
+
+def test_a_device_out_of_memory_at_load_is_one_line_that_offers_the_cpu(tiny):
+    """ggml-vulkan's own limits, lowered (GGML_VK_FORCE_MAX_BUFFER_SIZE): the cache's buffer cannot be allocated, as
+    on a GPU whose memory is taken, and llama.cpp fails the load. ggml writes its failure to std::cerr; the
+    backend keeps that for the one line it gives."""
+    limits = {"GGML_VK_FORCE_MAX_BUFFER_SIZE": "4096", "GGML_VK_FORCE_MAX_ALLOCATION_SIZE": "4096"}
+    child = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", "--backend", "vulkan", "--model", str(tiny), "hi"],
+        env={**os.environ, **limits}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 1, child.stderr
+    assert child.stderr.strip().count("\n") == 0, child.stderr
+    assert "failed to allocate" in child.stderr and "--backend llamacpp" in child.stderr
