@@ -198,3 +198,13 @@ def test_a_device_out_of_memory_at_load_is_one_line_that_offers_the_cpu(tiny):
     assert child.returncode == 1, child.stderr
     assert child.stderr.strip().count("\n") == 0, child.stderr
     assert "failed to allocate" in child.stderr and "--backend llamacpp" in child.stderr
+
+
+def test_the_kv_budget_means_the_same_cache_on_the_device_as_on_the_cpu(tiny):
+    sizes = {}
+    for backend in ("vulkan", "llamacpp"):
+        with llama_log() as lines, Engine(tiny, backend=backend, kv_budget="1MB") as engine:
+            sizes[backend] = (engine.capacity, engine.backend.kv_bytes_per_token(engine.info, "f16"))
+        where = GPU.name.capitalize() if backend == "vulkan" else "CPU"
+        sizes[backend] += (buffer_mib(lines, where, "KV"),)
+    assert sizes["vulkan"] == sizes["llamacpp"] and sizes["vulkan"][2] > 0, sizes
