@@ -7,7 +7,7 @@ import importlib
 import logging
 from collections.abc import Callable
 
-from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError
+from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError, InvalidOptionError
 from edgeinfer.kv import MIN_KV_TOKENS
 from edgeinfer.models.info import ModelInfo
 
@@ -58,29 +58,41 @@ def choose_backend(
             hint = f"; {' and '.join(others)} can: use --backend auto" if others else ""
             raise BackendUnavailableError(f"the {name} backend cannot run this model: {reason}{hint}")
         return cls
-    reasons = []
-    for status_name, status in backend_status(info).items():
-        if status == AVAILABLE:
-            cls = backend_class(status_name)
-            # Options it cannot honour are the caller's to fix, not a reason to look further (InvalidOptionError).
-            loading = options(cls) if options is not None else BackendOptions(kv_tokens=MIN_KV_TOKENS)
-            status = _passed_over(cls, info, loading) or AVAILABLE
-        if status == AVAILABLE:
-            if reasons:
-                log.info("auto chose %s for %s; skipped %s", status_name, info.path.name, "; ".join(reasons))
-            return backend_class(status_name)
-        reasons.append(f"{status_name}: {status}")
+    reasons, skipped = [], []  # why each backend was not taken; of those that load here, for the note
+    for candidate in BACKENDS:
+        try:
+            cls = backend_class(candidate)
+        except BackendUnavailableError as exc:  # cannot load here: `edgeinfer info` says why, the note does not
+            reasons.append(f"{candidate}: {exc}")
+            continue
+        reason = cls.supports(info) or _passed_over(cls, info, options)
+        if reason is None:
+            if skipped:
+                log.info("auto chose %s for %s; skipped %s", candidate, info.path.name, "; ".join(skipped))
+            return cls
+        reasons.append(f"{candidate}: {reason}")
+        skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(f"no backend can run {info.path.name} here (" + "; ".join(reasons) + ")")
 
 
-def _passed_over(cls: type[Backend], info: ModelInfo, options: BackendOptions) -> str | None:
-    """Why auto passes over a backend that runs ``info``: where it runs by default (no device asked for) is a GPU
-    emulated on the CPU, or its device's free memory does not fit the model and its cache; None where auto may
-    choose it."""
+def _passed_over(
+    cls: type[Backend], info: ModelInfo, options: Callable[[type[Backend]], BackendOptions] | None
+) -> str | None:
+    """Why auto passes over a backend that runs ``info``; None where auto may choose it. A backend whose default
+    device is a GPU is passed over where that GPU is emulated on the CPU (unless a device was asked for), where
+    the options do not suit a GPU (``--gpu-layers 0``), or where its free memory does not fit the model and its
+    cache. Options another backend would refuse too are the caller's to fix: their error stands."""
     default = cls.devices()[0]
-    if options.device == CPU and default.emulated:
+    on_gpu = default.free_bytes is not None
+    try:
+        loading = options(cls) if options is not None else BackendOptions(kv_tokens=MIN_KV_TOKENS)
+    except InvalidOptionError as exc:
+        if not on_gpu:
+            raise
+        return str(exc)
+    if loading.device == CPU and default.emulated:
         return f"its device is emulated on the CPU ({default.description}); --backend {cls.name} runs it there"
-    need = cls.memory(info, options)
+    need = cls.memory(info, loading)
     if need.device_free is not None and need.device_bytes > need.device_free:
         mib = 2**20
         return (

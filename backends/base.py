@@ -53,7 +53,7 @@ class Device:
     description: str
     free_bytes: int | None = None  # the device's own memory; None for the CPU (host RAM is checked instead)
     total_bytes: int | None = None
-    emulated: bool = False  # a GPU's interface run on the CPU (Mesa's lavapipe): for tests, never auto's choice
+    emulated: bool = False  # a GPU's interface run on the CPU (Mesa's lavapipe): auto passes it over
 
 
 @dataclass(frozen=True)

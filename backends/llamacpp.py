@@ -60,7 +60,11 @@ def llama_lib() -> ModuleType:
 def _stderr_to_log() -> Iterator[None]:
     """What native code writes to stderr meanwhile goes to the log instead: ggml's Vulkan code writes its failures
     to open a device or allocate its memory there, past the log callback, and the backend says them in a line of
-    its own."""
+    its own. File descriptor 2 is the whole process's, so only the main thread takes it (the TUI loads a model in
+    another, and draws on stderr meanwhile); a native abort meanwhile loses its last words."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     if sys.stderr is not None:
         sys.stderr.flush()
     try:
@@ -74,8 +78,8 @@ def _stderr_to_log() -> Iterator[None]:
         except OSError:  # no stderr to take
             yield
             return
-        os.dup2(sink.fileno(), 2)
         try:
+            os.dup2(sink.fileno(), 2)
             yield
         finally:
             os.dup2(saved, 2)
@@ -135,7 +139,7 @@ def load_model(path: str, *, vocab_only: bool = False, gpu_layers: int = 0, devi
     devices = (ctypes.c_void_p * 2)(None if device is None else ggml_devices().handle(device), None)
     params.devices = ctypes.addressof(devices)  # llama-cpp-python declares the field a void pointer
     _recent_log.clear()
-    with _holding_ctrl_c() as interrupted, _stderr_to_log():
+    with _holding_ctrl_c() as interrupted, _stderr_to_log() if device is not None else contextlib.nullcontext():
         model = lib.llama_model_load_from_file(path.encode(), params)
     if interrupted:
         if model:
@@ -414,7 +418,8 @@ class LlamaCppBackend:
             )
             params.no_perf = True
             _recent_log.clear()
-            with _holding_ctrl_c() as interrupted, _stderr_to_log():
+            on_gpu = self._placed_on(options) is not None
+            with _holding_ctrl_c() as interrupted, _stderr_to_log() if on_gpu else contextlib.nullcontext():
                 self._ctx = lib.llama_init_from_model(self._model, params)
             if interrupted:
                 raise KeyboardInterrupt  # close() below frees what was made

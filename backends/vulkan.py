@@ -4,14 +4,12 @@ Everything but the placement is the llama.cpp backend's: the same KV budget (its
 with the layers), the same cache operations, the same errors. Without ``--device`` the layers go to the
 build's first Vulkan device that is a real GPU; ``--gpu-layers N`` keeps the rest on the CPU. llama.cpp lists a
 Vulkan device that runs on the CPU (Mesa's lavapipe) only where ``GGML_VK_VISIBLE_DEVICES`` names it: the tests
-run this backend there, and ``auto`` never chooses it.
+run this backend there, and ``auto`` passes it over unless a device is asked for.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import os
 from typing import ClassVar
 
@@ -20,6 +18,7 @@ from edgeinfer.system import llama_cpp_library
 
 from .base import CPU, BackendOptions, Device
 from .llamacpp import VULKAN_REGISTRY, GgmlDevice, LlamaCppBackend, ggml_devices
+from .vulkan_driver import physical_devices
 
 CPU_HINT = "; --backend llamacpp runs the model on the CPU"
 SETUP_HINT = "bash scripts/setup.sh --vulkan rebuilds it with Vulkan (9 to 17 minutes on 2 cores)"
@@ -29,51 +28,15 @@ def vulkan_devices() -> list[GgmlDevice]:
     """The Vulkan devices llama.cpp's build found, in its order, with what their driver says of them that ggml
     does not: the largest tensor a shader binds, and whether the device runs on the CPU."""
     found = [gpu for gpu in ggml_devices().gpus().values() if gpu.registry == VULKAN_REGISTRY]
-    physical = physical_devices() if found else {}
+    physical = {device.name: device for device in physical_devices()} if found else {}
     return [
-        dataclasses.replace(gpu, max_tensor_bytes=physical[gpu.description][1], emulated=physical[gpu.description][0])
+        dataclasses.replace(
+            gpu, max_tensor_bytes=physical[gpu.description].storage_range, emulated=physical[gpu.description].on_cpu
+        )
         if gpu.description in physical
         else dataclasses.replace(gpu, emulated="llvmpipe" in gpu.description.lower())  # no driver to ask: lavapipe
         for gpu in found
     ]
-
-
-# VkPhysicalDeviceProperties: four uint32 fields, deviceType, deviceName[256], pipelineCacheUUID[16], then
-# VkPhysicalDeviceLimits (aligned to 8), whose eighth uint32 is maxStorageBufferRange; the struct is 824 bytes.
-_TYPE_AT, _NAME_AT, _STORAGE_RANGE_AT, _PROPERTIES_SIZE = 16, 20, 296 + 7 * 4, 824
-_TYPE_CPU = 4  # VK_PHYSICAL_DEVICE_TYPE_CPU
-
-
-@functools.cache
-def physical_devices() -> dict[str, tuple[bool, int]]:
-    """Each Vulkan device by name (ggml's description of it): whether it runs on the CPU, and its
-    maxStorageBufferRange, the most bytes a shader binds at once. A tensor larger than that aborts llama.cpp
-    (Mesa's lavapipe: 128 MiB, where ggml allocates 1 GiB). Empty where the Vulkan loader cannot be asked."""
-    try:
-        vulkan = ctypes.CDLL("libvulkan.so.1")
-    except OSError:
-        return {}
-    create_info = (ctypes.c_uint64 * 8)()  # VkInstanceCreateInfo, zeroed: no layers, no extensions
-    create_info[0] = 1  # sType: VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
-    instance = ctypes.c_void_p()
-    if vulkan.vkCreateInstance(ctypes.byref(create_info), None, ctypes.byref(instance)) != 0:
-        return {}
-    try:
-        count = ctypes.c_uint32()
-        vulkan.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), None)
-        handles = (ctypes.c_void_p * count.value)()
-        vulkan.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), handles)
-        found = {}
-        for handle in handles[: count.value]:
-            raw = ctypes.create_string_buffer(_PROPERTIES_SIZE)
-            vulkan.vkGetPhysicalDeviceProperties(ctypes.c_void_p(handle), raw)
-            properties = raw.raw
-            name = properties[_NAME_AT : _NAME_AT + 256].split(b"\0", 1)[0].decode(errors="replace")
-            on_cpu = int.from_bytes(properties[_TYPE_AT : _TYPE_AT + 4], "little") == _TYPE_CPU
-            found[name] = (on_cpu, int.from_bytes(properties[_STORAGE_RANGE_AT : _STORAGE_RANGE_AT + 4], "little"))
-        return found
-    finally:
-        vulkan.vkDestroyInstance(instance, None)
 
 
 def _unavailable() -> str | None:

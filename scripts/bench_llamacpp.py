@@ -356,7 +356,7 @@ def main() -> None:
     if not args.no_llama:
         llm = llama_cpp.Llama(
             str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=threads, n_threads_batch=threads,
-            flash_attn=False, no_perf=True, verbose=False, n_gpu_layers=0,
+            flash_attn=False, no_perf=True, verbose=False, n_gpu_layers=0, op_offload=False,
         )  # fmt: skip
         sides["Llama"] = lambda mode: run_llama(llm, text, MODES[mode], n, p)
 

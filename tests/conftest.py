@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 
 from edgeinfer import Engine
+from edgeinfer.backends.vulkan_driver import physical_devices
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 
 # llama.cpp lists a Vulkan device that runs on the CPU (Mesa's lavapipe, which `scripts/setup.sh --vulkan`
-# installs) only where this names it: where no GPU is, the vulkan backend's tests and the conformance suite run
-# it there. auto never chooses it, so every other test runs where it would without it.
-os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
+# installs) only where this names it. The suite lists lavapipe alone: the vulkan backend's tests and the
+# conformance suite run there, and auto, which passes it over, runs every other test on the CPU as it would
+# without Vulkan. A real GPU is hidden too; set GGML_VK_VISIBLE_DEVICES yourself to run the suite on one.
+if "GGML_VK_VISIBLE_DEVICES" not in os.environ:
+    on_cpu = [str(i) for i, device in enumerate(physical_devices()) if device.on_cpu]
+    os.environ["GGML_VK_VISIBLE_DEVICES"] = ",".join(on_cpu[:1])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -67,9 +67,12 @@ AGREEMENT: dict[str, dict[str, tuple[float, float]]] = {
     "smollm2": {"f32": (0.02, 0.9), "f16": (0.02, 0.9), "q8_0": (0.025, 0.9)},
 }
 # Backends whose products round to half precision whatever the cache: llama.cpp's Vulkan shaders convert
-# activations to f16 on a device that has it. Their f32 cache is held to the f16 bound. Measured on lavapipe,
-# f32 cache: llama 7.5e-7, qwen2 3.2e-6 (f16 cache 5.8e-6), mistral Q4_0 2.7e-4.
+# activations to f16 on a device that has it, and a newer driver or glslc takes other shaders (cooperative
+# matrices, integer dot products). They are held to HALF_PRECISION_SLACK times the f16 bound, whatever the cache:
+# 5e-5 to 1e-4 on the plain models, three orders below what a lost RoPE costs. Measured on Debian 12's lavapipe,
+# f32 cache: llama 7.5e-7, qwen2 3.2e-6 (f16 cache 5.8e-6), mistral Q4_0 2.7e-4 (bound 1.5e-2).
 HALF_PRECISION_PRODUCTS = ("vulkan",)
+HALF_PRECISION_SLACK = 5
 # Evicting positions 4..23 of 60 on a one-layer model, then 10 more tokens, against a cold run of
 # the 40 kept ones. Measured: f32 1e-13, f16 5e-7, q8_0 2.5e-4 (llama.cpp); keys left unrotated:
 # 0.15 (llama) and 2.2 (qwen2).
@@ -77,7 +80,7 @@ EVICT_KLD = {"f32": 1e-6, "f16": 1e-4, "q8_0": 5e-3}
 # Logits of one sequence evaluated beside another, or continued from a shared prefix, against the
 # same tokens alone: only the batch's shape differs. Measured: llama.cpp 0 (bit-equal) beside another
 # sequence and 5e-14 from a copied prefix; the reference 1.3e-9 (its f16 cache rounds the other batch's
-# keys differently) and 0; llama.cpp on lavapipe (vulkan) 5.6e-6 for a position alone after its chunk.
+# keys differently) and 0.
 SEQUENCE_KLD = 1e-5
 
 
@@ -250,8 +253,9 @@ def test_agrees_with_the_reference_backend_for_every_kv_type(cls, infos, prompts
         assert np.isfinite(ours).all(), f"{kv_type}: non-finite logits"
         divergence, agree = kld(expected, ours), top1(expected, ours)
         measured.append(f"{kv_type}: KLD {divergence:.2e}, top-1 {agree:.3f}")
-        half = kv_type == "f32" and cls.name in HALF_PRECISION_PRODUCTS
-        bound, least = AGREEMENT[model]["f16" if half else kv_type]
+        bound, least = AGREEMENT[model][kv_type]
+        if cls.name in HALF_PRECISION_PRODUCTS:
+            bound = max(bound, HALF_PRECISION_SLACK * AGREEMENT[model]["f16"][0])
         if divergence >= bound or agree < least:
             failures.append(f"{kv_type} beyond KLD {bound:.0e} / top-1 {least}")
     assert not failures, f"{cls.name} on {model}: {'; '.join(failures)} (measured {'; '.join(measured)})"
@@ -353,7 +357,8 @@ def test_filling_to_capacity_works_and_one_more_is_a_clear_error(cls, infos):
         # Still usable: forget the last position and evaluate it again.
         backend.truncate(0, capacity - 1)
         (again,) = logits(backend, Span(0, capacity - 1, tokens[-1:]))  # alone, where it was in a chunk
-        bound = SEQUENCE_KLD if cls.name in HALF_PRECISION_PRODUCTS else 1e-6  # a vector's kernels, not a chunk's
+        # Half-precision shaders: a vector's kernels round otherwise than a chunk's (lavapipe: 5.6e-6).
+        bound = EVICT_KLD["f16"] if cls.name in HALF_PRECISION_PRODUCTS else 1e-6
         assert_close(last[None], again[None], bound, "the last position again")
 
 

@@ -20,7 +20,11 @@ CTX = 128
 
 def direct_perplexity(model_path: Path, text: str, ctx: int) -> float:
     """llama-perplexity's recipe written straight on llama-cpp-python's high-level API."""
-    llm = llama_cpp.Llama(str(model_path), n_ctx=ctx, n_batch=ctx, n_threads=2, logits_all=True, verbose=False)
+    # On the CPU, as the llamacpp backend runs: a Vulkan build would otherwise offload to the device it lists.
+    llm = llama_cpp.Llama(
+        str(model_path), n_ctx=ctx, n_batch=ctx, n_threads=2, logits_all=True, verbose=False,
+        n_gpu_layers=0, op_offload=False,
+    )  # fmt: skip
     try:
         tokens = llm.tokenize(text.encode(), add_bos=True, special=False)
         first, nll = ctx // 2, []

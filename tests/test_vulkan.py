@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +33,8 @@ try:
     VulkanBackend = backend_class("vulkan")
 except BackendUnavailableError as exc:
     pytest.skip(f"the vulkan backend cannot run here: {exc}", allow_module_level=True)
+
+from edgeinfer.backends.vulkan_driver import physical_devices  # noqa: E402 - after the skip
 
 GPU = VulkanBackend._default()  # where it runs unless told: its first real GPU, else lavapipe
 MIB = 2**20
@@ -148,13 +150,24 @@ def test_a_cache_layer_larger_than_the_device_binds_is_refused_before_loading(ti
     assert "--kv-budget" in str(exc.value) and "--backend llamacpp" in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_auto_passes_over_a_device_emulated_on_the_cpu_and_takes_a_gpu_the_model_fits(tiny):
-    """lavapipe is known as a CPU by its driver's device type, which the backend asks Vulkan for."""
+def test_auto_passes_over_a_device_emulated_on_the_cpu_and_one_the_model_and_its_cache_do_not_fit(tiny, caplog):
+    """Emulation is the driver's own device type, which the backend asks the Vulkan loader for."""
     info = load_model_info(tiny)
-    assert VulkanBackend.devices()[0].emulated == GPU.emulated
+    (driver,) = [device for device in physical_devices() if device.name == GPU.description]
+    assert GPU.emulated == driver.on_cpu and GPU.max_tensor_bytes == driver.storage_range
     assert choose_backend("auto", info).name == ("llamacpp" if GPU.emulated else "vulkan")
-    if "llvmpipe" in GPU.description:
-        assert GPU.emulated and GPU.max_tensor_bytes is not None
+
+    def asking(tokens: int) -> Callable[[type], BackendOptions]:
+        """Options naming the device (so that an emulated one counts), with a cache of ``tokens``."""
+        return lambda cls: BackendOptions(kv_tokens=tokens, device=GPU.name if cls is VulkanBackend else CPU)
+
+    assert choose_backend("auto", info, asking(256)) is VulkanBackend
+    too_many = int(2 * GPU.free_bytes / VulkanBackend.kv_bytes_per_token(info, "f16"))  # twice its free memory
+    if too_many > info.hparams.n_ctx_train:
+        pytest.skip(f"{GPU.name} has {GPU.free_bytes / MIB:,.0f} MiB free: more than this model's context needs")
+    with caplog.at_level(logging.INFO, logger="edgeinfer.backends"):
+        assert choose_backend("auto", info, asking(too_many)).name == "llamacpp"
+    assert f"which has {GPU.free_bytes / MIB:,.0f} MiB free" in caplog.text, caplog.text
 
 
 def test_info_lists_the_builds_devices_with_the_backend_serving_each():

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.backends import backend_class, choose_backend
-from edgeinfer.backends.base import CPU, BackendOptions, check_options
+from edgeinfer.backends.base import CPU, Backend, BackendOptions, check_options
 from edgeinfer.bench.report import BenchReport, Config, Outcome
 from edgeinfer.errors import BackendError, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import MIN_KV_TOKENS
@@ -64,14 +64,18 @@ def bench(
                 f"{model}: a {prompt_tokens}-token prompt and {gen_tokens} generated tokens exceed its "
                 f"{info.hparams.n_ctx_train}-token context; lower --prompt-tokens or --gen-tokens"
             )
-    configs = [
-        Config(model, infos[model].path, choose_backend(backend, infos[model]).name)  # "auto" resolved per model
+    kv_tokens = max(prompt_tokens + gen_tokens, MIN_KV_TOKENS)
+    options = BackendOptions(kv_tokens=kv_tokens, threads=threads, device=device, gpu_layers=gpu_layers)
+
+    def loading(cls: type[Backend]) -> BackendOptions:
+        return check_options(cls, options)
+
+    configs = [  # "auto" resolved per model, as the workers' engines will resolve it
+        Config(model, infos[model].path, choose_backend(backend, infos[model], loading).name)
         for model in models
         for backend in backends or ("auto",)
     ]
-    kv_tokens = max(prompt_tokens + gen_tokens, MIN_KV_TOKENS)
-    options = BackendOptions(kv_tokens=kv_tokens, threads=threads, device=device, gpu_layers=gpu_layers)
-    resolved = {backend: check_options(backend_class(backend), options) for backend in {c.backend for c in configs}}
+    resolved = {backend: loading(backend_class(backend)) for backend in dict.fromkeys(c.backend for c in configs)}
     prompts = {model: exact_prompt(info.path, prompt_tokens) for model, info in infos.items()}
 
     needs = [backend_class(c.backend).memory(infos[c.model], resolved[c.backend]) for c in configs]
