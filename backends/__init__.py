@@ -83,11 +83,10 @@ def _passed_over(
     the options do not suit a GPU (``--gpu-layers 0``), or where its free memory does not fit the model and its
     cache. Options another backend would refuse too are the caller's to fix: their error stands."""
     default = cls.devices()[0]
-    on_gpu = default.free_bytes is not None
     try:
         loading = options(cls) if options is not None else BackendOptions(kv_tokens=MIN_KV_TOKENS)
     except InvalidOptionError as exc:
-        if not on_gpu:
+        if not default.has_own_memory:
             raise
         return str(exc)
     if loading.device == CPU and default.emulated:

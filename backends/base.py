@@ -55,6 +55,11 @@ class Device:
     total_bytes: int | None = None
     emulated: bool = False  # a GPU's interface run on the CPU (Mesa's lavapipe): auto passes it over
 
+    @property
+    def has_own_memory(self) -> bool:
+        """A GPU whose memory the backend places layers in, not host RAM."""
+        return self.free_bytes is not None
+
 
 @dataclass(frozen=True)
 class Span:
@@ -202,7 +207,7 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
             "(`edgeinfer info` lists every backend's devices)"
         )
     gpu = options.device if options.device != CPU else None
-    if gpu is None and devices[0].free_bytes is not None:  # the default device is not the host: a GPU's memory
+    if gpu is None and devices[0].has_own_memory:  # the default device is a GPU
         gpu = devices[0].description
     if options.gpu_layers > 0 and gpu is None:
         raise InvalidOptionError("--gpu-layers needs a GPU device (--device); the CPU holds every layer already")

@@ -26,11 +26,21 @@ from typing import Any, ClassVar
 import llama_cpp
 import numpy as np
 
-from edgeinfer.errors import BackendError, InvalidOptionError
+from edgeinfer.errors import BackendError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, probe_native_build
 
-from .base import CPU, BackendOptions, Device, Span, check_copy, check_sequence, check_spans, compute_bytes
+from .base import (
+    CPU,
+    BackendOptions,
+    Device,
+    Span,
+    check_copy,
+    check_options,
+    check_sequence,
+    check_spans,
+    compute_bytes,
+)
 
 log = logging.getLogger("edgeinfer.llamacpp")
 
@@ -257,9 +267,9 @@ class _Ggml:
             )
         return found
 
-    def gpus(self) -> dict[str, GgmlDevice]:
-        """GPU devices by option name (``vulkan0``)."""
-        return {device.name: device for device in self.all() if device.is_gpu}
+    def gpus(self) -> list[GgmlDevice]:
+        """The GPU devices, in ggml's order."""
+        return [device for device in self.all() if device.is_gpu]
 
     def handle(self, index: int) -> int:
         return self._lib.ggml_backend_dev_get(index)
@@ -334,19 +344,20 @@ class LlamaCppBackend:
     @classmethod
     def _gpus(cls) -> list[GgmlDevice]:
         """The GPUs this backend places layers on: the build's, but Vulkan's, which the vulkan backend serves."""
-        return [gpu for gpu in ggml_devices().gpus().values() if gpu.registry != VULKAN_REGISTRY]
+        return [gpu for gpu in ggml_devices().gpus() if gpu.registry != VULKAN_REGISTRY]
+
+    @classmethod
+    def _cells(cls, options: BackendOptions) -> int:
+        """The cells llama.cpp makes for ``options.kv_tokens``: whole blocks of ``kv_block``."""
+        return -(-options.kv_tokens // cls.kv_block) * cls.kv_block
 
     @classmethod
     def _placed_on(cls, options: BackendOptions) -> GgmlDevice | None:
         """The GPU ``options`` put layers on; None for the CPU alone."""
         if options.device == CPU:
             return None
-        gpus = {gpu.name: gpu for gpu in cls._gpus()}
-        if options.device not in gpus:
-            raise InvalidOptionError(
-                f"the {cls.name} backend has no device {options.device!r} here; choose one of {', '.join([CPU, *gpus])}"
-            )
-        return gpus[options.device]
+        options = check_options(cls, options)  # refuses a device it does not have; names one given by index
+        return next(gpu for gpu in cls._gpus() if gpu.name == options.device)
 
     @classmethod
     def kv_bytes_per_token(cls, info: ModelInfo, kv_type: str) -> float:
@@ -354,11 +365,11 @@ class LlamaCppBackend:
 
     @classmethod
     def memory(cls, info: ModelInfo, options: BackendOptions) -> MemoryNeed:
-        kv = int(-(-options.kv_tokens // cls.kv_block) * cls.kv_block * cls.kv_bytes_per_token(info, options.kv_type))
-        overhead = BASE_OVERHEAD_BYTES + compute_bytes(info, options)
+        kv = int(cls._cells(options) * cls.kv_bytes_per_token(info, options.kv_type))
+        compute = compute_bytes(info, options)
         gpu = cls._placed_on(options)
-        if gpu is None:
-            return MemoryNeed(weights=info.file_size, kv=kv, overhead=overhead)  # the file, mapped as it is
+        if gpu is None:  # the file, mapped as it is
+            return MemoryNeed(weights=info.file_size, kv=kv, overhead=BASE_OVERHEAD_BYTES + compute)
         # llama.cpp counts the output layer as one more, the first it offloads, then the repeating layers from the
         # last, each with its part of the cache. The input embedding stays on the host (a tied output matrix is
         # copied to the device); the compute buffers are the device's.
@@ -375,8 +386,8 @@ class LlamaCppBackend:
             kv=kv - kv_on_device,
             overhead=BASE_OVERHEAD_BYTES,
             device=gpu.name,
-            device_bytes=layers + output + kv_on_device + compute_bytes(info, options),
-            device_free=gpu.free_bytes if gpu.total_bytes else None,
+            device_bytes=layers + output + kv_on_device + compute,
+            device_free=gpu.as_device().free_bytes,
         )
 
     def __init__(self, info: ModelInfo, options: BackendOptions, *, probe: bool = True) -> None:
@@ -390,7 +401,8 @@ class LlamaCppBackend:
         self._batch: Any = None
         self._row_address: int | None = None
         self._row_view = np.empty(0, np.float32)
-        self._model = self._load(info, options)
+        gpu = self._placed_on(options)
+        self._model = self._load(info, options, gpu)
         try:
             if lib.llama_model_has_encoder(self._model):  # BERT-like embedders, and T5 which needs llama_encode
                 raise BackendError(
@@ -418,8 +430,7 @@ class LlamaCppBackend:
             )
             params.no_perf = True
             _recent_log.clear()
-            on_gpu = self._placed_on(options) is not None
-            with _holding_ctrl_c() as interrupted, _stderr_to_log() if on_gpu else contextlib.nullcontext():
+            with _holding_ctrl_c() as interrupted, _stderr_to_log() if gpu else contextlib.nullcontext():
                 self._ctx = lib.llama_init_from_model(self._model, params)
             if interrupted:
                 raise KeyboardInterrupt  # close() below frees what was made
@@ -449,13 +460,13 @@ class LlamaCppBackend:
             self.close()
             raise
 
-    def _load(self, info: ModelInfo, options: BackendOptions) -> Any:
-        gpu = self._placed_on(options)
+    def _load(self, info: ModelInfo, options: BackendOptions, gpu: GgmlDevice | None) -> Any:
+        """The model, on the CPU or with ``options.gpu_layers`` of its layers on ``gpu``."""
         if gpu is None:
             return load_model(str(info.path))
         # Each layer's keys, and its values, are one tensor: one larger than the device can bind aborts llama.cpp.
         hp = info.hparams
-        cells = -(-options.kv_tokens // self.kv_block) * self.kv_block
+        cells = self._cells(options)
         per_value = self.kv_bytes_per_token(info, options.kv_type) / info.kv_values_per_token
         largest = cells * hp.n_head_kv * max(hp.head_dim, hp.value_dim or 0) * per_value
         limit = gpu.max_tensor_bytes

@@ -27,7 +27,7 @@ SETUP_HINT = "bash scripts/setup.sh --vulkan rebuilds it with Vulkan (9 to 17 mi
 def vulkan_devices() -> list[GgmlDevice]:
     """The Vulkan devices llama.cpp's build found, in its order, with what their driver says of them that ggml
     does not: the largest tensor a shader binds, and whether the device runs on the CPU."""
-    found = [gpu for gpu in ggml_devices().gpus().values() if gpu.registry == VULKAN_REGISTRY]
+    found = [gpu for gpu in ggml_devices().gpus() if gpu.registry == VULKAN_REGISTRY]
     physical = {device.name: device for device in physical_devices()} if found else {}
     return [
         dataclasses.replace(
