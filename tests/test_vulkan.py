@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,27 +54,23 @@ def buffer_mib(lines: list[str], where: str, what: str) -> float:
     return sum(float(m[1]) for line in lines if (m := pattern.search(line)))
 
 
-@contextmanager
-def llama_log() -> Iterator[list[str]]:
-    """llama.cpp's log lines meanwhile (the backend passes them to its logger at DEBUG)."""
-    lines: list[str] = []
+@pytest.fixture
+def llama_log(caplog: pytest.LogCaptureFixture) -> Callable[[], AbstractContextManager[list[str]]]:
+    """``with llama_log() as lines``: llama.cpp's log lines meanwhile, in ``lines`` at the end (the backend passes
+    them to its logger at DEBUG)."""
 
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
+    @contextmanager
+    def capture() -> Iterator[list[str]]:
+        caplog.clear()
+        lines: list[str] = []
+        with caplog.at_level(logging.DEBUG, logger="edgeinfer.llamacpp"):
+            yield lines
+        lines.extend(r.getMessage() for r in caplog.records if r.name == "edgeinfer.llamacpp")
 
-    logger, handler = logging.getLogger("edgeinfer.llamacpp"), Keep(logging.DEBUG)
-    previous = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
+    return capture
 
 
-def test_every_layer_goes_to_the_device_by_default_and_gpu_layers_keeps_the_rest_on_the_cpu(tiny):
+def test_every_layer_goes_to_the_device_by_default_and_gpu_layers_keeps_the_rest_on_the_cpu(tiny, llama_log):
     """And the memory check counts what llama.cpp puts where: its weights and its cache, on each side."""
     info = load_model_info(tiny)
     device = GPU.name.capitalize()  # llama.cpp's name for its buffers: Vulkan0
@@ -93,7 +89,7 @@ def test_every_layer_goes_to_the_device_by_default_and_gpu_layers_keeps_the_rest
         assert (need.weights + need.kv) / MIB == pytest.approx(on_host, abs=0.02), (layers, need, on_host)
 
 
-def test_the_cpu_backend_of_the_same_build_gives_the_device_nothing(tiny):
+def test_the_cpu_backend_of_the_same_build_gives_the_device_nothing(tiny, llama_log):
     """llama-cpp-python's defaults would offload every layer of a Vulkan build, and with none offloaded llama.cpp
     still used the device for a prompt's products; the llama.cpp backend gives it no device at all."""
     with llama_log() as lines, Engine(tiny, backend="llamacpp", kv_budget="256tok") as engine:
@@ -213,7 +209,7 @@ def test_a_device_out_of_memory_at_load_is_one_line_that_offers_the_cpu(tiny):
     assert "failed to allocate" in child.stderr and "--backend llamacpp" in child.stderr
 
 
-def test_the_kv_budget_means_the_same_cache_on_the_device_as_on_the_cpu(tiny):
+def test_the_kv_budget_means_the_same_cache_on_the_device_as_on_the_cpu(tiny, llama_log):
     sizes = {}
     for backend in ("vulkan", "llamacpp"):
         with llama_log() as lines, Engine(tiny, backend=backend, kv_budget="1MB") as engine:
