@@ -1,4 +1,4 @@
-"""The ``edgeinfer`` command: run, chat, info, list, pull, eval, bench.
+"""The ``edgeinfer`` command: run, chat, serve, info, list, pull, eval, bench.
 
 Output is for people by default and JSON with ``--json``. Every user error is
 one line on stderr (``error: ...``) and a non-zero exit, never a traceback.
@@ -25,6 +25,7 @@ from edgeinfer.notes import show_notes
 from edgeinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from edgeinfer.assemble import Route
     from edgeinfer.converters.convert import Step
     from edgeinfer.models.info import ModelInfo
     from edgeinfer.streams import Stream
@@ -103,6 +104,42 @@ def _placement_options(fn: F) -> F:
     )(fn)
 
 
+def _kv_options(fn: F) -> F:
+    """``--kv-budget``, ``--kv-policy`` and ``--kv-type``."""
+    for option in reversed((
+        click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True,
+                     help="KV cache cap: bytes ('64MB') or tokens ('512tok'); one total across all answers."),
+        click.option("--kv-policy", type=click.Choice(POLICIES),
+                     help="What to do when the KV cache fills (default: sinks; error for a model whose cache "
+                     "cannot drop tokens)."),
+        click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True,
+                     help="KV cache element type."),
+    )):  # fmt: skip
+        fn = option(fn)
+    return fn
+
+
+def _route_options(fn: F) -> F:
+    """``--route`` and the cloud model's options, for the commands that answer through the router."""
+    for option in reversed((
+        click.option("--route", type=click.Choice(("auto", "local", "cloud")),
+                     help="Where to answer: auto escalates hard prompts to the cloud (default: auto with a cloud "
+                     "URL, else local)."),
+        click.option("--cloud-url", envvar="EDGEINFER_CLOUD_URL",
+                     help="OpenAI-compatible API base, e.g. https://host/v1."),
+        click.option("--cloud-model", envvar="EDGEINFER_CLOUD_MODEL",
+                     help="The cloud model's name; key: OPENAI_API_KEY."),
+        click.option("--route-threshold", type=float,
+                     help="Escalation score at which auto goes to the cloud (default 0.64, 1.81 with "
+                     "--route-samples; see `edgeinfer router calibrate`)."),
+        click.option("--route-samples", type=click.IntRange(min=0), default=0,
+                     help="auto: also sample this many short local answers and escalate when they disagree "
+                     "(a better judge, slower first token; calibrate with the same --samples)."),
+    )):  # fmt: skip
+        fn = option(fn)
+    return fn
+
+
 def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
     """The console entry point: click's usage errors become one line too."""
     try:
@@ -134,46 +171,10 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 )
 @click.option("--seed", type=int, help="Same seed, same text.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
-@click.option(
-    "--kv-budget",
-    default=DEFAULT_KV_BUDGET,
-    show_default=True,
-    help="KV cache cap: bytes ('64MB') or tokens ('512tok').",
-)
-@click.option(
-    "--kv-policy",
-    type=click.Choice(POLICIES),
-    help="What to do when the KV cache fills (default: sinks; error for a model whose cache cannot drop tokens).",
-)
-@click.option(
-    "--kv-type",
-    type=click.Choice(KV_TYPES),
-    default="f16",
-    show_default=True,
-    help="KV cache element type.",
-)
+@_kv_options
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @_placement_options
-@click.option(
-    "--route",
-    type=click.Choice(("auto", "local", "cloud")),
-    help="Where to answer: auto escalates hard prompts to the cloud (default: auto with a cloud URL, else local).",
-)
-@click.option("--cloud-url", envvar="EDGEINFER_CLOUD_URL", help="OpenAI-compatible API base, e.g. https://host/v1.")
-@click.option("--cloud-model", envvar="EDGEINFER_CLOUD_MODEL", help="The cloud model's name; key: OPENAI_API_KEY.")
-@click.option(
-    "--route-threshold",
-    type=float,
-    help="Escalation score at which auto goes to the cloud (default 0.64, 1.81 with --route-samples; "
-    "see `edgeinfer router calibrate`).",
-)
-@click.option(
-    "--route-samples",
-    type=click.IntRange(min=0),
-    default=0,
-    help="auto: also sample this many short local answers and escalate when they disagree "
-    "(a better judge, slower first token; calibrate with the same --samples).",
-)
+@_route_options
 @click.option("--stats", is_flag=True, help="Print route, timings and KV use to stderr afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish reason, metrics.")
 @click.option("--no-stream", is_flag=True, help="Print the answer at the end instead of as it is generated.")
@@ -213,7 +214,7 @@ def run(
     force: bool,
 ) -> None:
     """Answer PROMPT (or standard input) with a local model, or a cloud model when it is beyond it."""
-    from edgeinfer.assemble import Route, close_answerer, open_answerer
+    from edgeinfer.assemble import close_answerer, open_answerer
 
     if prompt is None:
         prompt = _read_stdin_prompt()
@@ -242,7 +243,7 @@ def run(
         {"role": "user", "content": prompt}
     ]
     engine, answerer = open_answerer(
-        Route(route or ("auto" if cloud_url else "local"), cloud_url, cloud_model, route_threshold, route_samples),
+        _chosen_route(route, cloud_url, cloud_model, route_threshold, route_samples),
         model=model,
         backend=backend,
         kv_budget=kv_budget,
@@ -258,6 +259,122 @@ def run(
         _answer(stream, threads=engine.threads, as_json=as_json, no_stream=no_stream, stats=stats)
     finally:
         close_answerer(engine, answerer)
+
+
+@cli.command()
+@click.option(
+    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
+)
+@click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Where to listen (0.0.0.0: all networks; use --api-key)."
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
+@click.option("--parallel", type=click.IntRange(min=1), default=4, show_default=True, help="Requests decoded together.")
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=0),
+    default=16,
+    show_default=True,
+    help="Requests waiting for a slot; beyond them a request gets 429 with Retry-After.",
+)
+@click.option("--max-body", default="1MB", show_default=True, help="Largest request body accepted.")
+@click.option("--api-key", envvar="EDGEINFER_API_KEY", help="Require 'Authorization: Bearer KEY' [EDGEINFER_API_KEY].")
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="On SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are cancelled.",
+)
+@_kv_options
+@click.option("--threads", type=int, help="CPU threads (default: the free cores).")
+@_placement_options
+@_route_options
+@click.option("--force", is_flag=True, help="Load even if the model does not seem to fit in RAM.")
+@_user_errors
+def serve(
+    model: str,
+    backend: str,
+    host: str,
+    port: int,
+    parallel: int,
+    max_queue: int,
+    max_body: str,
+    api_key: str | None,
+    shutdown_timeout: float,
+    kv_budget: str,
+    kv_policy: str | None,
+    kv_type: str,
+    threads: int | None,
+    device: str,
+    gpu_layers: int,
+    route: str | None,
+    cloud_url: str | None,
+    cloud_model: str | None,
+    route_threshold: float | None,
+    route_samples: int,
+    force: bool,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics), decoding up to --parallel requests together."""
+    from functools import partial
+
+    from edgeinfer.assemble import open_answerer
+    from edgeinfer.kv import KVBudget, KVPolicy
+    from edgeinfer.models.catalog import resolve_model
+    from edgeinfer.sizes import parse_size
+
+    try:
+        from edgeinfer.serve.app import ServeConfig
+        from edgeinfer.serve.runner import run_server
+    except ImportError as exc:
+        _fail(f"edgeinfer serve needs {exc.name}: pip install 'edgeinfer[serve]'")
+    if api_key is not None and not api_key.strip():
+        _fail("--api-key is empty; give a key, or leave the option out to serve without one")
+    KVBudget.parse(kv_budget)
+    KVPolicy.parse(kv_policy or "sinks")
+    chosen = _chosen_route(route, cloud_url, cloud_model, route_threshold, route_samples)
+    chosen.check()
+    path = resolve_model(model)  # a missing model is one line now, not after the server has started
+    config = ServeConfig(
+        model_id=model if model == DEFAULT_MODEL or "/" not in model and not model.endswith(".gguf") else path.stem,
+        parallel=parallel,
+        max_queue=max_queue,
+        max_body_bytes=parse_size(max_body, "--max-body"),
+        api_key=api_key,
+    )
+    load = partial(
+        open_answerer,
+        chosen,
+        model=str(path),
+        backend=backend,
+        kv_budget=kv_budget,
+        kv_policy=kv_policy,
+        kv_type=kv_type,
+        threads=threads,
+        # A slot for each request decoding, and as many again for the prompts they leave cached.
+        sequences=2 * parallel,
+        device=device,
+        gpu_layers=gpu_layers,
+        force=force,
+    )
+    click.echo(f"edgeinfer serve: loading {path.name} ...", err=True)
+
+    def ready(url: str) -> None:
+        click.echo(f"edgeinfer serve: ready at {url} ({config.model_id}, {parallel} parallel, route {chosen.mode})")
+        sys.stdout.flush()
+
+    run_server(config, load, host=host, port=port, shutdown_timeout=shutdown_timeout, ready=ready)
+
+
+def _chosen_route(
+    route: str | None, cloud_url: str | None, cloud_model: str | None, threshold: float | None, samples: int
+) -> Route:
+    """The route ``_route_options`` ask for; without ``--route``, auto where a cloud URL is given, else local."""
+    from edgeinfer.assemble import Route
+
+    return Route(route or ("auto" if cloud_url else "local"), cloud_url, cloud_model, threshold, samples)
 
 
 def _answer(stream: Stream, *, threads: int, as_json: bool, no_stream: bool, stats: bool) -> None:

@@ -8,13 +8,15 @@ for piece in engine.stream("Once upon a time", max_tokens=50):
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import threading
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -76,7 +78,10 @@ class Engine:
         gpu_layers: layers placed on ``device`` when it is a GPU (-1, the default: all).
         force: load even if the memory estimate says it will not fit.
 
-    One engine serves one generation at a time; calls from other threads wait their turn.
+    Calls from several threads (or several streams read in turn) are decoded together: each step
+    evaluates one token of every running answer in one backend call, and a new call joins at the
+    next step once its prompt and answer fit the KV budget beside the others (until then it waits;
+    its TTFT counts the wait). Its prompt is evaluated a chunk per step between the others' tokens.
 
     Greedy output does not depend on what the KV cache held: llama.cpp's arithmetic for a
     position depends on how many tokens one evaluation carries, so the engine computes every
@@ -154,8 +159,17 @@ class Engine:
         self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
         self._cache = SequenceCache(self.backend, batch_size, self.capacity)
         self._calls = 0  # counts calls, to find the least recently used sequence
-        self._lock = threading.Lock()
-        self._owner: int | None = None
+        # The decode loop's state: _state guards _waiting, _stepping and _draining; the thread that set _stepping
+        # alone touches _jobs, the cache and the backend until it clears it.
+        self._state = threading.Condition()
+        self._stepping = False  # a thread is running a step, or holds the engine between steps (_exclusive)
+        self._draining = 0  # threads waiting in _exclusive for a condition: no job is admitted meanwhile
+        self._sleepers = 0  # threads waiting on _state, to be woken when a step ends
+        self._stepper: int | None = None  # the thread that set _stepping
+        self._waiting: collections.deque[_Job] = collections.deque()  # submitted, not yet admitted, in order
+        self._jobs: list[_Job] = []  # admitted: evaluating their prompt, decoding, or between waves
+        self._decode_steps = 0
+        self._decoded_tokens = 0
         self._async_streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()  # started, for _started_async
         self._async_lock = threading.Lock()
         self._closed = False
@@ -301,7 +315,8 @@ class Engine:
             raise InvalidOptionError(
                 f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
             )
-        with self._hold():
+        with self._exclusive(self._idle):
+            self._check_open()
             for seq in range(len(self._cache.sequences)):
                 self._cache.forget(seq, 0)
             try:
@@ -317,12 +332,11 @@ class Engine:
         The prompt stays in the KV cache, so a following call on it only evaluates its last chunk.
         Raises ``ContextFull`` if the prompt alone does not fit in the cache.
         """
-        with self._hold():
-            tokens = self.tokenize(prompt)
-            if len(tokens) > self.capacity:
-                raise ContextFull(
-                    f"the prompt has {len(tokens)} tokens, more than the KV budget of {self._budget_text}"
-                )
+        tokens = self.tokenize(prompt)
+        if len(tokens) > self.capacity:
+            raise ContextFull(f"the prompt has {len(tokens)} tokens, more than the KV budget of {self._budget_text}")
+        with self._exclusive(lambda: self._room_for(len(tokens))):
+            self._check_open()
             start = max(1, min(start, len(tokens)))
             # Row i of the logits predicts token i + 1, so scoring from ``start`` evaluates from ``start - 1``.
             seq = self._claim(tokens, start - 1)
@@ -343,8 +357,9 @@ class Engine:
             return scores
 
     def reset(self) -> None:
-        """Forget every cached conversation."""
-        with self._hold():
+        """Forget every cached conversation (once the calls running have ended)."""
+        with self._exclusive(self._idle):
+            self._check_open()
             for seq in range(len(self._cache.sequences)):
                 self._cache.forget(seq, 0)
 
@@ -358,14 +373,39 @@ class Engine:
         """A copy of the token ids the last call left in the KV cache, by position."""
         return list(max(self._cache.sequences, key=lambda s: s.used_at).tokens)
 
+    @property
+    def running(self) -> int:
+        """Calls decoding now, or evaluating their prompt."""
+        return len(self._jobs)
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for room in the KV budget or for a free sequence."""
+        return len(self._waiting)
+
+    @property
+    def decode_steps(self) -> tuple[int, int]:
+        """Decode steps run so far, and the answer tokens they evaluated: their ratio is the mean batch."""
+        return self._decode_steps, self._decoded_tokens
+
     def close(self) -> None:
-        """Free the model now; waits for a generation running in another thread."""
+        """Free the model now; waits for the calls running in other threads to end."""
         if self._closed:
             return
-        with self._hold():
-            self._closed = True
+        with self._exclusive(self._idle):
+            if self._closed:
+                return
+            with self._state:
+                self._closed = True
+                waiting = list(self._waiting)
+            for job in waiting:
+                self._fail_job(job, _closed_error())
             self.backend.close()
             self.tokenizer.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise _closed_error()
 
     def __enter__(self) -> Engine:
         return self
@@ -374,189 +414,438 @@ class Engine:
         self.close()
 
     # -- the decode loop -----------------------------------------------------------------------
+    #
+    # Every call is a _Job. A job waits until its prompt and answers fit beside the running ones, then joins
+    # the batch: its prompt is evaluated a chunk per step, and its answers are decoded with every other
+    # running answer in one backend evaluation per step; a finished one leaves at once. No thread of its own
+    # runs the loop: a caller whose job has no text ready runs the next step for everyone, while the others
+    # wait for that step to end (and find their text), so a lone call drives itself with no hand-over.
 
     def _run(
         self, prompt: Prompt, generations: list[_Generation], cancel: threading.Event
     ) -> Generator[str, None, Result]:
         """Answer ``prompt`` once per generation; yields the text of the first (the only one, for ``stream``)."""
-        start = perf_counter()  # TTFT counts any wait for another generation to finish
-        with self._hold():
-            t = perf_counter()
-            tokens = self.tokenize(prompt)
-            tokenize_s = perf_counter() - t
-            if not tokens:
-                raise InvalidOptionError("the prompt is empty: give the model some text to continue")
-            for generation in generations:
-                generation.metrics = Metrics(kv_capacity=self.capacity, tokenize_s=tokenize_s)
-            try:
-                for wave in self._waves(tokens, generations):
-                    yield from self._decode(tokens, wave, cancel, start)
-            except (ContextFull, GeneratorExit):
-                raise
-            except BaseException:
-                # A backend that failed mid-evaluation may hold a partial batch: start clean.
-                for seq in range(len(self._cache.sequences)):
-                    self._cache.forget(seq, 0)
-                raise
-        return generations[0].result  # type: ignore[return-value]  # set by _decode
-
-    def _waves(self, prompt: list[int], generations: list[_Generation]) -> Iterator[list[_Generation]]:
-        """The generations in groups decoded together: as many as there are sequences and as fit side by side."""
-        longest = max(g.params.max_tokens for g in generations)
-        # Each answer takes its own cells; where the backend copies a prompt rather than sharing it, its copy too.
-        side_by_side = max(1, (self.capacity - len(prompt)) // (longest + self._cache.copy_cost(len(prompt))))
-        size = min(len(self._cache.sequences), side_by_side)
-        for first in range(0, len(generations), size):
-            yield generations[first : first + size]
-
-    def _decode(
-        self, prompt: list[int], generations: list[_Generation], cancel: threading.Event, start: float
-    ) -> Generator[str, None, None]:
-        lead = generations[0]
-        reserve = min(lead.params.max_tokens, self.capacity // 4)
-        fitted = self.kv_policy.fit_prompt(
-            prompt, self.capacity, reserve, has_bos=self.tokenizer.add_bos, budget=self._budget_text
-        )
-        prompt_cut = len(prompt) - len(fitted)
-        prompt = fitted
-
-        # Reuse a cached prefix (a chat's earlier turns, a shared system prompt). The first new token is drawn
-        # from the last prompt token's logits: saved if this prompt was the last one prefilled there, else evaluated.
+        start = perf_counter()  # TTFT counts any wait for other calls
+        self._check_open()
         t = perf_counter()
-        seq = self._claim(prompt, len(prompt) - 1, replay=True)
-        state = self._cache.sequences[seq]
-        logits: np.ndarray | None = None  # stays None if cancelled before the prompt's last chunk
-        if state.last_prompt == prompt:
-            self._cache.forget(seq, len(prompt))  # drop the answer that followed it (all, on a recurrent model)
-        copies = (len(generations) - 1) * self._cache.copy_cost(len(prompt))  # the other answers' prompts
-        if state.last_prompt == prompt:
-            logits, cached = state.last_logits, len(prompt)
-            if copies:
-                self._cache.drop_others([seq], len(generations) * reserve + copies)
-        else:
-            cached = len(state.tokens)
-            self._cache.drop_others([seq], len(prompt) - cached + len(generations) * reserve + copies)
-            # Prefill a chunk at a time, so a cancel waits for one chunk, not the whole prompt.
-            for _, chunk_logits in self._prefill(seq, prompt, cancel=cancel):
-                logits = chunk_logits
-            if len(state.tokens) < len(prompt):  # cancelled mid-prefill: every answer ends before its first token
-                logits = None
-            elif logits is not None:
-                state.last_prompt, state.last_logits = list(prompt), np.array(logits)
-        prefill_s = perf_counter() - t
-        if logits is not None and not np.isfinite(logits).all():
-            raise _corrupt(self.model_path.name)
-        seqs = [seq]
-        for _ in generations[1:]:
-            seqs.append(self._spare_sequence(seqs))
-        for other, generation in zip(seqs, generations, strict=True):
-            if other != seq and logits is not None:
-                self._cache.share(seq, other, len(prompt))
-            m = generation.metrics
-            m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = len(prompt), prompt_cut, cached, prefill_s
-            generation.start(other, logits, self._cache.sequences[other], self.model_path.name)
-        try:
-            yield from self._decode_steps(generations, cancel, start)
-        except ContextFull as exc:
-            raise ContextFull(str(exc), partial=lead.text.text) from None
-        if len(generations) == 1:
-            tail = lead.text.flush()
-            if tail:
-                yield tail
+        tokens = self.tokenize(prompt)
+        tokenize_s = perf_counter() - t
+        if not tokens:
+            raise InvalidOptionError("the prompt is empty: give the model some text to continue")
         for generation in generations:
-            generation.finish(self, perf_counter() - start)
-        if len(generations) > 1:
+            generation.metrics = Metrics(kv_capacity=self.capacity, tokenize_s=tokenize_s)
+        reserve = min(generations[0].params.max_tokens, self.capacity // 4)
+        fitted = self.kv_policy.fit_prompt(
+            tokens, self.capacity, reserve, has_bos=self.tokenizer.add_bos, budget=self._budget_text
+        )
+        job = _Job(fitted, len(tokens) - len(fitted), generations, cancel, start)
+        with self._state:
+            if self._closed:
+                raise _closed_error()
+            self._waiting.append(job)
+        chunks = job.chunks
+        try:
+            while True:
+                done = job.done  # read first: a step in another thread may append its last text and end it
+                while chunks:
+                    yield chunks.popleft()
+                if done:
+                    break
+                self._drive(job)
+        except BaseException:  # closed early (GeneratorExit), or Ctrl-C while waiting
+            cancel.set()
+            if not job.done and self._stepper != threading.get_ident():  # else the next step ends it
+                with self._exclusive():  # out of the batch before the next step
+                    self._cancel_job(job)
+            raise
+        if job.error is not None:
+            raise job.error
+        return generations[0].result  # type: ignore[return-value]  # set when its wave ended
+
+    def _drive(self, job: _Job) -> None:
+        """Run the next step for every job, or wait for the one another thread is running to end."""
+        with self._state:
+            if job.chunks or job.done:
+                return
+            if self._stepping or (self._draining and job in self._waiting):
+                self._sleep()
+                return
+            self._stepping, self._stepper = True, threading.get_ident()
+        try:
+            self._step()
+        finally:
+            with self._state:
+                self._stepping, self._stepper = False, None
+                if self._sleepers:
+                    self._state.notify_all()
+
+    def _sleep(self) -> None:
+        """Wait, holding ``_state``, until a step or an exclusive call ends."""
+        self._sleepers += 1
+        try:
+            self._state.wait()
+        finally:
+            self._sleepers -= 1
+
+    @contextlib.contextmanager
+    def _exclusive(self, ready: Callable[[], bool] | None = None) -> Iterator[None]:
+        """Hold the engine between steps, once ``ready()`` (with the jobs it waits for stepped meanwhile, by
+        this thread if no other does); no job is admitted while it waits."""
+        with self._state:
+            self._draining += ready is not None
+            try:
+                while self._stepping or (ready is not None and not ready()):
+                    if self._closed:
+                        raise _closed_error()
+                    if self._stepping or not self._jobs:
+                        self._sleep()
+                        continue
+                    # Nobody else steps the jobs it waits for: step them here.
+                    self._stepping, self._stepper = True, threading.get_ident()
+                    self._state.release()
+                    try:
+                        self._step()
+                    finally:
+                        self._state.acquire()
+                        self._stepping, self._stepper = False, None
+                        self._state.notify_all()
+                if self._closed:
+                    raise _closed_error()
+                self._stepping, self._stepper = True, threading.get_ident()
+            finally:
+                self._draining -= ready is not None
+                self._state.notify_all()  # jobs that waited for the draining to end
+        try:
+            yield
+        finally:
+            with self._state:
+                self._stepping, self._stepper = False, None
+                self._state.notify_all()
+
+    def _idle(self) -> bool:
+        return not self._jobs
+
+    def _room_for(self, n: int) -> bool:
+        """Whether a sequence no job holds, and ``n`` cells, are free."""
+        return self._free_cells() >= n and not all(state.busy for state in self._cache.sequences)
+
+    def _free_cells(self) -> int:
+        """Cells neither a running job holds nor a running answer has reserved for its tokens to come (a job
+        still evaluating its prompt, for the rest of it too)."""
+        reserved = 0
+        for job in self._jobs:
+            if job.prefill is not None:
+                rest = len(job.prompt) - len(self._cache.sequences[job.seqs[0]].tokens)
+                reserved += rest + len(job.wave) * min(job.wave[0].params.max_tokens, self.capacity - len(job.prompt))
+            else:
+                reserved += sum(g.reserved() for g in job.wave if g.finish_reason is None)
+        return self.capacity - self._cache.cells_used(busy_only=True) - reserved
+
+    def _step(self) -> None:
+        """One turn of the loop: admit what fits, evaluate one prompt chunk, then one token of every answer."""
+        jobs = self._jobs
+        if self._waiting or not all(job.wave for job in jobs):
+            self._admit()
+        for job in jobs:
+            if job.prefill is not None:
+                self._prefill_step(job)
+                break
+        decoding = [g for job in jobs if job.prefill is None for g in job.wave if g.finish_reason is None]
+        if decoding:
+            self._decode_step(decoding)
+
+    def _admit(self) -> None:
+        """Start the next wave of jobs between waves, then waiting jobs in order, while they fit."""
+        for job in [job for job in self._jobs if not job.wave and job.prefill is None]:
+            if job.cancel.is_set():
+                self._cancel_job(job)
+            else:
+                self._try_start(job)  # or waits its turn
+        with self._state:
+            waiting = list(self._waiting)
+            draining = self._draining
+        for job in [job for job in waiting if job.cancel.is_set()]:
+            self._cancel_job(job)
+        for job in [] if draining else waiting:
+            if job.done:
+                continue
+            if not self._try_start(job):
+                return  # first come, first served: nothing overtakes a job that does not fit yet
+            if not job.done:
+                with self._state:
+                    self._waiting.remove(job)
+                self._jobs.append(job)
+
+    def _try_start(self, job: _Job) -> bool:
+        """``_start_wave``, with its failure ``job``'s own (its caller raises it), not the stepping thread's."""
+        try:
+            return self._start_wave(job)
+        except Exception as exc:
+            self._fail_job(job, exc)
+            return True
+
+    def _start_wave(self, job: _Job) -> bool:
+        """Claim sequences for as many of ``job``'s answers as fit side by side; start its prompt's evaluation.
+
+        False, with nothing changed, while they do not fit beside the running jobs.
+        """
+        prompt, cache, sequences = job.prompt, self._cache, self._cache.sequences
+        free = [s for s, state in enumerate(sequences) if not state.busy]
+        longest = max(g.params.max_tokens for g in job.pending)
+        # Each answer takes its own cells; where the backend copies a prompt rather than sharing it, its copy too.
+        side_by_side = max(1, (self.capacity - len(prompt)) // (longest + cache.copy_cost(len(prompt))))
+        size = min(len(job.pending), side_by_side, len(free))
+        if size == 0:
+            return False
+        reserve = min(longest, self.capacity // 4)
+        copies = (size - 1) * cache.copy_cost(len(prompt))  # the other answers' prompts
+        if len(free) < len(sequences):  # others are running: this job needs room for its whole answers
+            answers = size * min(longest, self.capacity - len(prompt))
+            reused = max(state.reusable(prompt, len(prompt) - 1, self.batch_size) for state in sequences)
+            if any(state.last_prompt == prompt and not state.busy for state in sequences):
+                reused = len(prompt)
+            if len(prompt) - reused + answers + copies > self._free_cells():
+                return False
+        seq = self._claim(prompt, len(prompt) - 1, replay=True)
+        state = sequences[seq]
+        state.busy = True
+        job.seqs = [seq]
+        for _ in range(size - 1):
+            spare = self._spare_sequence(job.seqs)
+            sequences[spare].busy = True
+            job.seqs.append(spare)
+        job.wave, job.pending = job.pending[:size], job.pending[size:]
+        job.prefill_s = 0.0
+        if state.last_prompt == prompt:
+            cache.forget(seq, len(prompt))  # drop the answer that followed it (all, on a recurrent model)
+            job.cached = len(prompt)
+            if copies:
+                cache.drop_others(job.seqs, size * reserve + copies)
+            self._launch(job, state.last_logits)
+        else:
+            job.cached = len(state.tokens)
+            cache.drop_others(job.seqs, len(prompt) - job.cached + size * reserve + copies)
+            job.prefill = self._prefill(seq, prompt, cancel=job.cancel)
+        return True
+
+    def _prefill_step(self, job: _Job) -> None:
+        """Evaluate the next chunk of ``job``'s prompt; once it is all in, start its answers."""
+        t = perf_counter()
+        try:
+            _, logits = next(job.prefill)  # type: ignore[arg-type]  # set while prefilling
+        except StopIteration:
+            logits = None
+        except Exception as exc:
+            self._fail_job(job, exc)
+            return
+        except BaseException as exc:  # Ctrl-C: this job is over, and the caller stops
+            self._fail_job(job, exc)
+            raise
+        job.prefill_s += perf_counter() - t
+        if logits is not None:
+            job.logits = logits
+            if len(self._cache.sequences[job.seqs[0]].tokens) < len(job.prompt):
+                return  # more chunks to go
+        job.prefill = None
+        state = self._cache.sequences[job.seqs[0]]
+        if len(state.tokens) < len(job.prompt) or job.logits is None:  # cancelled: every answer ends unstarted
+            self._launch(job, None)
+            return
+        # A copy: the row is the backend's buffer, which this step's decode evaluation overwrites.
+        state.last_prompt, state.last_logits = list(job.prompt), np.array(job.logits)
+        self._launch(job, state.last_logits)
+
+    def _launch(self, job: _Job, logits: np.ndarray | None) -> None:
+        """Give each answer of the wave its sequence, sharing the prompt's KV, and the logits to draw from."""
+        job.logits = None
+        if logits is not None and not np.isfinite(logits).all():
+            self._fail_job(job, _corrupt(self.model_path.name))
+            return
+        seq, n = job.seqs[0], len(job.prompt)
+        for other, generation in zip(job.seqs, job.wave, strict=True):
+            if other != seq and logits is not None:
+                self._cache.share(seq, other, n)
+            m = generation.metrics
+            m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = n, job.prompt_cut, job.cached, job.prefill_s
+            generation.start(other, logits, self._cache.sequences[other], self.model_path.name, self.capacity - n)
+
+    def _decode_step(self, decoding: list[_Generation]) -> None:
+        """Evaluate the token each answer drew last step, all in one call; then draw each one's next token."""
+        stepping = [g for g in decoding if g.token is not None]
+        if stepping and not self._make_room(stepping):
+            stepping = [g for g in stepping if g.finish_reason is None and not g.job.done]
+        if stepping:
+            spans = [Span(g.seq, len(g.state.tokens), (g.token,), argmax=g.params.argmax_only) for g in stepping]
+            t = perf_counter()
+            try:
+                rows = self.backend.eval(spans)
+            except BaseException as exc:
+                for job in {g.job: None for g in stepping}:
+                    self._fail_job(job, exc)
+                if isinstance(exc, Exception):
+                    return
+                raise
+            elapsed = perf_counter() - t
+            self._decode_steps += 1
+            self._decoded_tokens += len(spans)
+            for span, generation, row in zip(spans, stepping, rows, strict=True):
+                self._cache.append(span.seq, span.tokens)
+                generation.logits, generation.token = row, None
+                generation.metrics.decode_s += elapsed
+        tokenizer, ended = self.tokenizer, []
+        for generation in decoding:
+            job = generation.job
+            if job.done:
+                continue
+            if generation.finish_reason is not None:  # out of room
+                ended.append(job)
+                continue
+            if generation.logits is None or job.cancel.is_set():
+                generation.finish_reason = "cancelled"
+                ended.append(job)
+                continue
+            try:
+                token = generation.sample(tokenizer, job.start)
+            except Exception as exc:
+                self._fail_job(job, exc)
+                continue
+            if job.streaming and generation.chunk:
+                job.chunks.append(generation.chunk)
+            if generation.finish_reason is None:
+                generation.token = token
+            else:
+                ended.append(job)
+        for job in ended:
+            if not job.done and job.wave and all(g.finish_reason is not None for g in job.wave):
+                self._end_wave(job)
+
+    def _make_room(self, stepping: list[_Generation]) -> bool:
+        """Free a cell for each stepping answer's next token: idle sequences' first; then, for an answer alone in
+        the cache, the KV policy's (whose ContextFull ends its call). Where others run, the answers past their
+        reservation end there instead, as ``length``: the budget is full. True if every stepping answer has its cell."""
+        n_incoming = len(stepping)
+        if self._cache.has_room(n_incoming):
+            return True
+        self._cache.drop_others([], n_incoming)
+        free = self.capacity - self._cache.cells_used()
+        if free >= n_incoming:
+            return True
+        if len(stepping) > 1 or sum(state.busy for state in self._cache.sequences) > 1:
+            for generation in [g for g in stepping if not g.reserved()] or stepping:
+                generation.finish_reason, generation.token = "length", None
+            return False
+        generation = stepping[0]
+        try:
+            evict_from, evict_to = self.kv_policy.eviction(
+                len(generation.state.tokens),
+                n_incoming,
+                len(generation.state.tokens) + free,
+                has_bos=self.tokenizer.add_bos,
+                budget=self._budget_text,
+            )
+        except ContextFull as exc:
+            self._fail_job(generation.job, ContextFull(str(exc), partial=generation.text.text))
+            return False
+        self._cache.evict(generation.seq, evict_from, evict_to)
+        generation.metrics.kv_evicted += evict_to - evict_from
+        return True
+
+    def _end_wave(self, job: _Job) -> None:
+        """The wave's answers are all done: hand over their results and free their sequences."""
+        wave, sequences = job.wave, self._cache.sequences
+        if job.streaming:
+            tail = wave[0].text.flush()
+            if tail:
+                job.chunks.append(tail)
+        elapsed = perf_counter() - job.start
+        for generation in wave:
+            generation.finish(self, elapsed)
+        if len(wave) > 1:
             # Answers decoded together are not conversations to go on with: free their cells and keep the
             # prompt. Freed, the cells after the prompt are where a cold run puts the next answer's tokens,
             # so the answer that usually follows (the router's, after its samples) is the cold answer.
-            for generation in generations:
-                self._cache.forget(generation.seq, len(prompt) if generation.seq == seq else 0)
+            for generation in wave:
+                self._cache.forget(generation.seq, len(job.prompt) if generation.seq == job.seqs[0] else 0)
+        for seq in job.seqs:
+            sequences[seq].busy = False
+        job.wave, job.seqs = [], []
+        if not job.pending:
+            self._retire(job)
 
-    def _decode_steps(
-        self, generations: list[_Generation], cancel: threading.Event, start: float
-    ) -> Generator[str, None, None]:
-        """Sample a token for every running generation, then evaluate them all in one step, until all end."""
-        streaming = len(generations) == 1
-        running = list(generations)
-        tokenizer, backend = self.tokenizer, self.backend
-        while running:
-            stepping = []
-            for generation in running:
-                if generation.logits is None or cancel.is_set():
-                    generation.finish_reason = "cancelled"
-                    continue
-                token = generation.sample(tokenizer, start)
-                if streaming and generation.chunk:
-                    yield generation.chunk
-                if generation.finish_reason is None:
-                    stepping.append((generation, token))
-            running = [generation for generation, _ in stepping]
-            if not running:
-                return
-            self._make_room(running)
-            spans = [Span(g.seq, len(g.state.tokens), (token,), argmax=g.params.argmax_only) for g, token in stepping]
-            t = perf_counter()
-            rows = backend.eval(spans)
-            elapsed = perf_counter() - t
-            for span, generation, row in zip(spans, running, rows, strict=True):
-                self._cache.append(span.seq, span.tokens)
-                generation.logits = row
-                generation.metrics.decode_s += elapsed
+    def _cancel_job(self, job: _Job) -> None:
+        """End ``job`` now, each answer not yet finished as cancelled."""
+        if job.done:
+            return
+        if job.prefill is not None:  # the prompt's chunks evaluated so far stay cached
+            job.prefill = None
+            self._launch(job, None)
+        for generation in job.wave + job.pending:
+            if generation.finish_reason is None:
+                generation.finish_reason = "cancelled"
+        pending, job.pending = job.pending, []
+        if job.wave:
+            self._end_wave(job)
+        elapsed = perf_counter() - job.start
+        for generation in pending:
+            generation.finish(self, elapsed)
+        self._retire(job)
 
-    def _make_room(self, running: list[_Generation]) -> None:
-        """Free a cell for each running generation's next token: other sequences' first; then, for one
-        generation, the KV policy's."""
-        n_incoming = len(running)
-        if self._cache.has_room(n_incoming):
-            return
-        self._cache.drop_others([g.seq for g in running], n_incoming)
-        free = self.capacity - self._cache.cells_used()
-        if free >= n_incoming:
-            return
-        if len(running) > 1:  # _waves fits parallel answers side by side; only a shrunken budget gets here
-            raise ContextFull(f"{len(running)} answers decoded together outgrew the KV budget ({self._budget_text})")
-        generation = running[0]
-        evict_from, evict_to = self.kv_policy.eviction(
-            len(generation.state.tokens),
-            n_incoming,
-            len(generation.state.tokens) + free,
-            has_bos=self.tokenizer.add_bos,
-            budget=self._budget_text,
-        )
-        self._cache.evict(generation.seq, evict_from, evict_to)
-        generation.metrics.kv_evicted += evict_to - evict_from
+    def _fail_job(self, job: _Job, exc: BaseException) -> None:
+        """End ``job`` with ``exc``, which its caller raises; its sequences are emptied (kept, for ContextFull)."""
+        job.error = exc
+        for seq in job.seqs:
+            if not isinstance(exc, ContextFull):
+                self._cache.forget(seq, 0)
+            self._cache.sequences[seq].busy = False
+        job.seqs, job.wave, job.pending, job.prefill = [], [], [], None
+        self._retire(job)
+
+    def _retire(self, job: _Job) -> None:
+        job.done = True
+        with self._state:
+            if job in self._waiting:
+                self._waiting.remove(job)
+        if job in self._jobs:
+            self._jobs.remove(job)
 
     # -- the prompt cache ----------------------------------------------------------------------
 
     def _claim(self, tokens: Sequence[int], limit: int, *, replay: bool = False) -> int:
-        """The sequence to evaluate ``tokens`` in, already holding as much of them as can be reused.
+        """A sequence no running job holds, to evaluate ``tokens`` in, already holding as much of them as can be
+        reused.
 
         The one holding the longest reusable prefix (at most ``limit``), or with ``replay`` the one that
         last prefilled exactly ``tokens`` (its saved logits stand for their evaluation). If it holds
-        another conversation, which ``tokens`` do not continue, that one stays cached and the prefix
-        is shared into a spare sequence.
+        another conversation, which ``tokens`` do not continue, or a running job holds it, that one stays
+        and the prefix is shared into a spare sequence.
         """
         self._calls += 1
         sequences = self._cache.sequences
         if replay:
             asked = list(tokens)
             for seq, state in enumerate(sequences):
-                if state.last_prompt == asked:
+                if state.last_prompt == asked and not state.busy:
                     state.used_at = self._calls
                     return seq
         reuse = [state.reusable(tokens, limit, self.batch_size) for state in sequences]
-        best = max(range(len(sequences)), key=lambda s: (reuse[s], sequences[s].used_at))
+        best = max(range(len(sequences)), key=lambda s: (reuse[s], not sequences[s].busy, sequences[s].used_at))
         if reuse[best] == 0:
-            # Nothing cached helps: start from an empty pool, so the prompt's cells are the ones a cold
-            # run fills and its answer is the cold answer (llama.cpp rounds by cell placement).
-            for other in range(len(sequences)):
-                self._cache.forget(other, 0)
-            sequences[best].used_at = self._calls
-            return best
+            if any(state.busy for state in sequences):  # the cells are not a cold run's anyway
+                seq = self._spare_sequence([])
+                self._cache.forget(seq, 0)
+            else:
+                # Nothing cached helps: start from an empty pool, so the prompt's cells are the ones a cold
+                # run fills and its answer is the cold answer (llama.cpp rounds by cell placement).
+                for other in range(len(sequences)):
+                    self._cache.forget(other, 0)
+                seq = best
+            sequences[seq].used_at = self._calls
+            return seq
         held = sequences[best].last_prompt
         # A sequence without a last prompt (scored, sampled, or evicted from) holds nothing a later call could
         # reuse beyond what this one does, so it is overwritten in place, cell for cell as a cold run fills them.
-        if held is None or list(tokens[: len(held)]) == held or len(sequences) == 1:
+        in_place = held is None or list(tokens[: len(held)]) == held
+        if not sequences[best].busy and (in_place or self._spare_sequence([best]) == best):
             seq = best
             self._cache.forget(seq, reuse[best])
         else:  # another conversation: keep it, and share what is common
@@ -570,9 +859,12 @@ class Engine:
         return seq
 
     def _spare_sequence(self, taken: Sequence[int]) -> int:
-        """An empty sequence not in ``taken``, else the least recently used one (emptied by the caller)."""
-        free = [s for s in range(len(self._cache.sequences)) if s not in taken]
+        """A sequence no job holds, not in ``taken``: an empty one, else the least recently used (emptied by the
+        caller); where there is none but ``taken``'s, its first."""
         state = self._cache.sequences
+        free = [s for s in range(len(state)) if s not in taken and not state[s].busy]
+        if not free:
+            return taken[0]
         return min(free, key=lambda s: (bool(state[s].tokens), state[s].used_at))
 
     def _prefill(
@@ -599,15 +891,47 @@ class Engine:
             self._cache.append(seq, chunk, exact_chunk=len(chunk) == size)
             yield first, logits
 
-    def _hold(self) -> _EngineLock:
-        return _EngineLock(self)
+
+class _Job:
+    """One call in the decode loop: its prompt, its answers (decoded in waves of as many as fit side by side), and
+    the text it hands its caller."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        prompt_cut: int,
+        generations: list[_Generation],
+        cancel: threading.Event,
+        start: float,
+    ) -> None:
+        self.prompt = prompt  # as evaluated, after the KV policy's cut
+        self.prompt_cut = prompt_cut
+        self.pending = list(generations)  # answers no wave has taken yet
+        self.wave: list[_Generation] = []  # the answers decoding now
+        self.seqs: list[int] = []  # the wave's sequences, the prompt's first
+        self.prefill: Iterator[tuple[int, np.ndarray]] | None = None  # the prompt's chunks still to evaluate
+        self.logits: np.ndarray | None = None  # the last chunk's, while prefilling
+        self.prefill_s = 0.0
+        self.cached = 0  # prompt tokens the wave found in the cache
+        self.cancel = cancel
+        self.start = start
+        self.streaming = len(generations) == 1  # its text is the caller's stream
+        self.chunks: collections.deque[str] = collections.deque()  # text ready for the caller
+        self.done = False
+        self.error: BaseException | None = None  # what the caller raises
+        for generation in generations:
+            generation.job = self
 
 
 class _Generation:
     """One answer in the decode loop: its sampler, text, metrics and sequence."""
 
+    job: _Job
+
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
+        self.token: int | None = None  # drawn, not yet evaluated
+        self.reserve = 0  # cells kept free for its tokens while others run
         self.sampler = Sampler(params)
         self.text = TextStream(params.stop)
         self.output: list[int] = []
@@ -618,8 +942,13 @@ class _Generation:
         self.chunk = ""
         self.result: Result | None = None
 
-    def start(self, seq: int, logits: np.ndarray | None, state: CachedSequence, model_name: str) -> None:
+    def start(self, seq: int, logits: np.ndarray | None, state: CachedSequence, model_name: str, room: int) -> None:
         self.seq, self.logits, self.state, self.model_name = seq, logits, state, model_name
+        self.reserve = min(self.params.max_tokens, room)
+
+    def reserved(self) -> int:
+        """Cells still kept for its tokens to come."""
+        return max(0, self.reserve - len(self.output))
 
     def sample(self, tokenizer: Tokenizer, start: float) -> int:
         """Draw the next token. Sets ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
@@ -680,6 +1009,10 @@ class _Generation:
         )
 
 
+def _closed_error() -> EdgeInferError:
+    return EdgeInferError("this engine is closed; create a new Engine")
+
+
 def _corrupt(model_name: str) -> BackendError:
     return BackendError(f"{model_name} produced NaN or infinite logits: its weights are corrupt; re-download it")
 
@@ -689,26 +1022,3 @@ def _check_prompt(prompt: object) -> None:
         isinstance(prompt, Sequence) and not isinstance(prompt, bytes)
     ):
         raise InvalidOptionError(f"the prompt must be a string or a list of messages, got {type(prompt).__name__}")
-
-
-class _EngineLock:
-    """The engine's lock, which refuses re-entry from its own thread instead of deadlocking."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def __enter__(self) -> None:
-        engine = self._engine
-        if engine._owner == threading.get_ident():
-            raise EdgeInferError(
-                "this engine is already generating in this thread; finish or close the other stream first"
-            )
-        engine._lock.acquire()
-        if engine._closed:
-            engine._lock.release()
-            raise EdgeInferError("this engine is closed; create a new Engine")
-        engine._owner = threading.get_ident()
-
-    def __exit__(self, *exc: object) -> None:
-        self._engine._owner = None
-        self._engine._lock.release()

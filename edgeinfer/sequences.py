@@ -35,6 +35,7 @@ class CachedSequence:
     last_logits: np.ndarray | None = None
     """That prompt's last row of logits: asking the same prompt again evaluates nothing."""
     used_at: int = 0  # the engine's call counter when last used, for choosing whom to drop
+    busy: bool = False  # a running call holds it: nothing else may drop, overwrite or claim it
     _groups: list[list[int]] = field(default_factory=list)  # [group, first, end) covering [0, len(tokens))
     _appending: bool = False  # whether new positions extend the last group
 
@@ -54,10 +55,12 @@ class SequenceCache:
         self.sequences = [CachedSequence() for _ in range(backend.n_seq)]
         self._group_ids = itertools.count()
 
-    def cells_used(self) -> int:
-        """KV cells in use across all sequences; a shared cell counts once."""
+    def cells_used(self, *, busy_only: bool = False) -> int:
+        """KV cells in use across all sequences (with ``busy_only``, the busy ones'); a shared cell counts once."""
         spans: dict[int, tuple[int, int]] = {}
         for seq in self.sequences:
+            if busy_only and not seq.busy:
+                continue
             for group, first, end in seq._groups:
                 known = spans.get(group)
                 spans[group] = (first, end if known is None else max(known[1], end))
@@ -135,8 +138,11 @@ class SequenceCache:
         state._appending = False
 
     def drop_others(self, keep: Sequence[int], room: int) -> None:
-        """Empty sequences not in ``keep``, least recently used first, until ``room`` cells are free or none is left."""
-        others = sorted((s for s in range(len(self.sequences)) if s not in keep), key=self._last_use)
+        """Empty sequences neither busy nor in ``keep``, least recently used first, until ``room`` cells are free or
+        none is left."""
+        others = sorted(
+            (s for s in range(len(self.sequences)) if s not in keep and not self.sequences[s].busy), key=self._last_use
+        )
         for seq in others:
             if self.capacity - self.cells_used() >= room:
                 return

@@ -104,8 +104,8 @@ class AsyncStream(AsyncIterator[str]):
     ``async for``): the generation is cancelled when the task that created the stream
     ends, or when that task starts reading another stream of the same engine. Read it from
     other tasks as you like (``wait_for(anext(stream), ...)`` included), but while its
-    creator lives. A stream left unfinished while its task goes on with other work holds
-    the engine until ``max_tokens``, as a slow reader would; other calls wait their turn.
+    creator lives. A stream left unfinished while its task goes on with other work keeps its
+    answer decoding, and its KV cells taken, until ``max_tokens``, as a slow reader would.
     """
 
     def __init__(self, stream: Stream, on_start: Callable[[AsyncStream], None] | None = None) -> None:

@@ -3,7 +3,8 @@
     python scripts/bench_sequences.py --threads 2 --runs 3 [--backend onnxruntime]
 
 Prints aggregate decode tokens/s for N greedy answers of the same prompt decoded together
-(``Engine.generate_batch``, one ``llama_decode`` per step for all of them) and one after another,
+(``Engine.generate_batch``, one ``llama_decode`` per step for all of them), asked from N threads at once
+(``Engine.chat`` in each: the engine batches them the same way) and one after another,
 and the router's time to first token with ``samples=4`` (the samples decoded together, sharing
 the prompt's KV). Runs alternate, so both sides see the same machine.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 from pathlib import Path
 from time import perf_counter
 
@@ -28,14 +30,23 @@ JAPAN = [
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
-def decode_rate(engine: Engine, n: int, tokens: int, together: bool) -> float:
-    """Aggregate output tokens per second of decode (prompt evaluation excluded) for ``n`` answers."""
+def decode_rate(engine: Engine, n: int, tokens: int, how: str) -> float:
+    """Aggregate output tokens per second of decode (prompt evaluation excluded) for ``n`` answers, decoded
+    ``together`` (generate_batch), from ``threads``, or ``apart``."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     engine.reset()
     engine.chat(STORY, max_tokens=1)  # the prompt cached: both sides then decode only
-    if together:
+    if how == "together":
         results = engine.generate_batch(STORY, [params] * n)
         decode_s = max(r.metrics.decode_s for r in results)  # one step decodes all of them
+    elif how == "threads":
+        results = []
+        askers = [threading.Thread(target=lambda: results.append(engine.chat(STORY, params))) for _ in range(n)]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join()
+        decode_s = max(r.metrics.decode_s for r in results)  # each counts the steps it shared
     else:
         results = [engine.chat(STORY, params) for _ in range(n)]
         decode_s = sum(r.metrics.decode_s for r in results)
@@ -70,12 +81,15 @@ def main() -> None:
     args = parser.parse_args()
     with Engine(args.model, backend=args.backend, kv_budget="2048tok", threads=args.threads) as engine:
         for n in args.sequences:
-            together, apart = [], []
+            rates: dict[str, list[float]] = {"together": [], "threads": [], "apart": []}
             for _ in range(args.runs):
-                together.append(decode_rate(engine, n, args.tokens, True))
-                apart.append(decode_rate(engine, n, args.tokens, False))
-            t, a = statistics.median(together), statistics.median(apart)
-            print(f"{n} answers: together {t:.1f} tok/s, one after another {a:.1f} tok/s, ratio {t / a:.2f}x")
+                for how, measured in rates.items():
+                    measured.append(decode_rate(engine, n, args.tokens, how))
+            t, th, a = (statistics.median(rates[how]) for how in ("together", "threads", "apart"))
+            print(
+                f"{n} answers: together {t:.1f} tok/s, from {n} threads {th:.1f} tok/s, one after another "
+                f"{a:.1f} tok/s; ratios {t / a:.2f}x and {th / a:.2f}x"
+            )
         for samples in (0, 4):
             ttft = statistics.median(router_ttft(engine, samples) for _ in range(args.runs))
             print(f"router samples={samples}: TTFT {ttft * 1000:.0f} ms")

@@ -135,5 +135,5 @@ if [ "$TEST" = 1 ]; then
     fi
     "$PYTHON" -m pip install -e ".[test]"
 else
-    "$PYTHON" -m pip install ".[llamacpp]"
+    "$PYTHON" -m pip install ".[llamacpp,serve]"
 fi

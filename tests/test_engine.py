@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
 import threading
@@ -133,12 +134,44 @@ def test_cancel_from_another_thread_stops_the_stream(engine):
     assert len(stream.result.tokens) < 500 and len(rest) < 499
 
 
-def test_a_second_stream_in_the_same_thread_is_refused_not_deadlocked(engine):
-    with engine.stream("Hello", max_tokens=20) as outer:
-        next(outer)
-        with pytest.raises(EdgeInferError, match="already generating"):
-            next(engine.stream("Hi", max_tokens=5))
-    assert engine.generate("Hello", max_tokens=3).metrics.output_tokens <= 3  # the engine is free again
+def test_two_streams_read_in_turn_in_one_thread_are_decoded_together(engine):
+    alone = engine.chat(JAPAN, temperature=0, max_tokens=12)  # ends at its end token: every token a wide margin
+    steps_before = engine.decode_steps
+    with engine.stream("Count: 1, 2, 3,", temperature=0, max_tokens=12, ignore_eos=True) as first:
+        next(first)  # decoding: the second's prompt is evaluated between its steps
+        with engine.stream(JAPAN, temperature=0, max_tokens=12) as second:
+            pieces = [b or "" for _, b in itertools.zip_longest(first, second)]  # neither blocks the other
+    assert second.result.tokens == alone.tokens  # batching does not change a wide-margin answer
+    assert "".join(pieces) == second.result.text and len(first.result.tokens) == 12
+    steps, tokens = (now - before for now, before in zip(engine.decode_steps, steps_before, strict=True))
+    assert tokens >= 12 + len(alone.tokens) - 1 and steps < tokens  # the answers' tokens shared steps
+
+
+def test_a_call_that_does_not_fit_beside_the_running_one_waits_for_it(model_path):
+    with Engine(model_path, kv_budget="320tok", threads=2) as small:
+        results = {}
+
+        def ask(name: str) -> None:
+            results[name] = small.chat(JAPAN, temperature=0, max_tokens=200, ignore_eos=True)
+
+        def until(condition) -> None:
+            deadline = time.monotonic() + 60
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        first = threading.Thread(target=ask, args=("first",))
+        first.start()
+        until(lambda: small.running == 1)
+        second = threading.Thread(target=ask, args=("second",))
+        second.start()
+        until(lambda: small.waiting == 1)  # ~37 + 200 cells each: two do not fit 320
+        assert small.running == 1 and small.waiting == 1
+        first.join(timeout=120)
+        second.join(timeout=120)
+    for result in results.values():
+        assert result.finish_reason == "length" and len(result.tokens) == 200 and result.metrics.kv_evicted == 0
+    assert results["second"].metrics.ttft_s > results["first"].metrics.ttft_s  # it waited its turn
+    assert "Tokyo" in results["second"].text[:40]
 
 
 async def test_async_twins(engine):

@@ -32,10 +32,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("converters: Hugging Face checkpoints to GGUF", ("edgeinfer.converters",)),
     (
-        "the top: routing, benchmarks, assembly, the command line, the chat app",
+        "the top: routing, benchmarks, assembly, the command line, the chat app, the server",
         (
             "edgeinfer.routing", "edgeinfer.bench", "edgeinfer.assemble", "edgeinfer.cli", "edgeinfer.console",
-            "edgeinfer.notes", "edgeinfer.__main__", "edgeinfer.tui",
+            "edgeinfer.notes", "edgeinfer.__main__", "edgeinfer.tui", "edgeinfer.serve",
         ),
     ),
 ]  # fmt: skip
