@@ -618,6 +618,7 @@ class Engine:
         job.prefill_s = 0.0
         if state.last_prompt == prompt:
             cache.forget(seq, len(prompt))  # drop the answer that followed it (all, on a recurrent model)
+        if state.last_prompt == prompt:  # asked again: on a recurrent model the forget above emptied it
             job.cached = len(prompt)
             if copies:
                 cache.drop_others(job.seqs, size * reserve + copies)
