@@ -104,6 +104,15 @@ def _placement_options(fn: F) -> F:
     )(fn)
 
 
+# Options several commands take, each written once (click builds a new Option every time one is applied).
+_model_option = click.option(
+    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
+)
+_backend_option = click.option(
+    "--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`)."
+)
+
+
 def _kv_options(fn: F) -> F:
     """``--kv-budget``, ``--kv-policy`` and ``--kv-type``."""
     for option in reversed((
@@ -156,10 +165,8 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 
 @cli.command()
 @click.argument("prompt", required=False)
-@click.option(
-    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
-)
-@click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
+@_model_option
+@_backend_option
 @click.option("--system", "system_prompt", help="System prompt.")
 @click.option("--max-tokens", type=int, default=_SAMPLING.max_tokens, show_default=True)
 @click.option("--temperature", type=float, default=_SAMPLING.temperature, show_default=True, help="0 is greedy.")
@@ -262,10 +269,8 @@ def run(
 
 
 @cli.command()
-@click.option(
-    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
-)
-@click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
+@_model_option
+@_backend_option
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Where to listen (0.0.0.0: all networks; use --api-key)."
 )
@@ -454,9 +459,7 @@ def router() -> None:
 @router.command()
 @click.option("--questions", required=True, type=click.Path(dir_okay=False), help="JSON Lines: question, answers.")
 @click.option("--cloud-share", type=float, default=0.3, show_default=True, help="Target share of cloud calls (0-1).")
-@click.option(
-    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
-)
+@_model_option
 @click.option("--system", "system_prompt", help="System prompt, as you will use it with `run`.")
 @click.option("--max-tokens", type=int, default=48, show_default=True, help="Tokens per local answer.")
 @click.option("--kv-budget", default=DEFAULT_KV_BUDGET, show_default=True)
@@ -556,10 +559,8 @@ def calibrate(
 
 
 @cli.command()
-@click.option(
-    "--model", "-m", default=DEFAULT_MODEL, show_default=True, help=".gguf path, catalog alias or hf:ORG/REPO/FILE.gguf"
-)
-@click.option("--backend", default="auto", show_default=True, help="Backend name (see `edgeinfer info`).")
+@_model_option
+@_backend_option
 @click.option("--system", "system_prompt", default="", help="System prompt.")
 @click.option(
     "--route",

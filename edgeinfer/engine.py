@@ -490,13 +490,12 @@ class Engine:
     @contextlib.contextmanager
     def _exclusive(self, ready: Callable[[], bool] | None = None) -> Iterator[None]:
         """Hold the engine between steps, once ``ready()`` (with the jobs it waits for stepped meanwhile, by
-        this thread if no other does); no job is admitted while it waits."""
+        this thread if no other does); no job is admitted while it waits. The caller checks whether the engine
+        has been closed meanwhile."""
         with self._state:
             self._draining += ready is not None
             try:
                 while self._stepping or (ready is not None and not ready()):
-                    if self._closed:
-                        raise _closed_error()
                     if self._stepping or not self._jobs:
                         self._sleep()
                         continue
@@ -509,8 +508,6 @@ class Engine:
                         self._state.acquire()
                         self._stepping, self._stepper = False, None
                         self._state.notify_all()
-                if self._closed:
-                    raise _closed_error()
                 self._stepping, self._stepper = True, threading.get_ident()
             finally:
                 self._draining -= ready is not None

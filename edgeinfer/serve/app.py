@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgeinfer.assemble import Answerer
+from edgeinfer.assemble import Answerer, close_answerer
 from edgeinfer.engine import Engine
 from edgeinfer.errors import ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -194,8 +194,6 @@ def create_app(config: ServeConfig, load: Callable[[], tuple[Engine, Answerer]])
         finally:
             await loading
             if server.engine is not None:
-                from edgeinfer.assemble import close_answerer
-
                 await asyncio.to_thread(close_answerer, server.engine, server.answerer)  # type: ignore[arg-type]
 
     routes = [
