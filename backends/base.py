@@ -165,6 +165,16 @@ class Backend(Protocol):
         """Forget sequence ``seq``'s positions ``>= n``."""
         ...
 
+    def save_state(self, seq: int) -> bytes | None:
+        """``seq``'s KV state, as bytes ``load_state`` takes in another process with the same model, options and
+        build; None where this backend cannot save one (the engine's prompt cache on disk is then skipped)."""
+        ...
+
+    def load_state(self, seq: int, data: bytes, n: int) -> bool:
+        """Make ``seq``, empty, hold the ``n`` positions ``data`` (from ``save_state``) holds; False, with ``seq``
+        left empty, where ``data`` is not a state this backend can read."""
+        ...
+
     def evict(self, seq: int, start: int, end: int) -> None:
         """Drop ``seq``'s positions ``[start, end)`` and shift later ones down by ``end - start``.
 

@@ -107,6 +107,12 @@ class PooledBackend:
         self._check_open()
         self._pool.truncate(seq, n)
 
+    def save_state(self, seq: int) -> None:
+        return None  # its cells live in its own buffers, with no format to write them in
+
+    def load_state(self, seq: int, data: bytes, n: int) -> bool:
+        return False
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         self._check_open()
         self._pool.copy_prefix(src, dst, n)

@@ -68,6 +68,7 @@ _EXPORTS = {
     "RoutedResult": "edgeinfer.routing.router",
     "Router": "edgeinfer.routing.router",
     "SamplingParams": "edgeinfer.sampling",
+    "Speculation": "edgeinfer.speculative",
 }
 __all__ = [
     "AsyncStream",
@@ -97,6 +98,7 @@ __all__ = [
     "RoutedResult",
     "Router",
     "SamplingParams",
+    "Speculation",
     "Stream",
     "TemplateError",
     "Usage",
@@ -133,4 +135,5 @@ if TYPE_CHECKING:
     from edgeinfer.routing.privacy import PrivacyRule
     from edgeinfer.routing.router import Budget, Policy, RoutedResult, Router
     from edgeinfer.sampling import SamplingParams
+    from edgeinfer.speculative import Speculation
     from edgeinfer.streams import AsyncStream, Result, Stream

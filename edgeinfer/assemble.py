@@ -13,16 +13,19 @@ the same to both:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidOptionError
-from edgeinfer.routing.cloud import CloudModel
-from edgeinfer.routing.router import MODES, Policy, Router
+
+if TYPE_CHECKING:
+    from edgeinfer.routing.cloud import CloudModel
+    from edgeinfer.routing.router import Policy, Router
 
 LOCAL = "local"
-# What answers: the engine itself, or a router in front of it and a cloud model.
-Answerer = Engine | Router
+# What answers: the engine itself, or a router in front of it and a cloud model. The routing modules load
+# only for a route that leaves the device: httpx, which the cloud client needs, takes a tenth of a second.
+Answerer = Union[Engine, "Router"]  # noqa: UP007  # a name not imported yet can only be a string in a Union
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,16 @@ class Route:
             self.open_cloud().close()
 
     def policy(self) -> Policy:
+        from edgeinfer.routing.router import MODES, Policy
+
         if self.mode not in MODES:
             raise InvalidOptionError(f"unknown route {self.mode!r}; choose one of {', '.join(MODES)}")
         threshold = {} if self.threshold is None else {"threshold": self.threshold}
         return Policy(self.mode, samples=self.samples, **threshold)  # type: ignore[arg-type]  # checked above
 
     def open_cloud(self) -> CloudModel:
+        from edgeinfer.routing.cloud import CloudModel
+
         return CloudModel(self.cloud_url, self.cloud_model)
 
 
@@ -61,19 +68,23 @@ def open_answerer(route: Route, **engine_options: Any) -> tuple[Engine, Answerer
     """Load an ``Engine(**engine_options)`` and put ``route`` in front of it; returns the engine (for its
     KV cache and threads) and what to ask. Slow: it loads a model. The route is checked first, so a bad
     cloud URL or threshold costs no load."""
+    if route.mode == LOCAL:
+        engine = Engine(**engine_options)
+        return engine, engine
+    from edgeinfer.routing.router import Router
+
     policy = route.policy()
-    cloud = None if route.mode == LOCAL else route.open_cloud()
+    cloud = route.open_cloud()
     try:
         engine = Engine(**engine_options)
     except BaseException:
-        if cloud is not None:
-            cloud.close()
+        cloud.close()
         raise
-    return engine, engine if cloud is None else Router(engine, cloud, policy=policy)
+    return engine, Router(engine, cloud, policy=policy)
 
 
 def close_answerer(engine: Engine, answerer: Answerer) -> None:
     """Close what ``open_answerer`` opened; waits for a generation that is still stopping."""
-    if isinstance(answerer, Router):
+    if answerer is not engine:  # a Router, and its cloud model
         answerer.cloud.close()
     engine.close()

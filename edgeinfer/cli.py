@@ -19,10 +19,11 @@ import click
 
 from edgeinfer.console import EXIT_INTERRUPTED
 from edgeinfer.errors import ContextFull, EdgeInferError
-from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, POLICIES
+from edgeinfer.kv import DEFAULT_KV_BUDGET, DEFAULT_PROMPT_CACHE_SIZE, MIN_KV_TOKENS, POLICIES
 from edgeinfer.models.catalog import DEFAULT_MODEL
 from edgeinfer.notes import show_notes
 from edgeinfer.sampling import SamplingParams
+from edgeinfer.speculative import Speculation
 
 if TYPE_CHECKING:
     from edgeinfer.assemble import Route
@@ -128,6 +129,29 @@ def _kv_options(fn: F) -> F:
     return fn
 
 
+_speculative_option = click.option(
+    "--speculative",
+    type=click.Choice([s.value for s in Speculation]),
+    default=Speculation.LOOKUP.value,
+    show_default=True,
+    help="lookup: draft tokens from the prompt and the answer so far and check them in one pass, where the "
+    "acceptance pays for it (the same text, faster where answers quote their input); off: one token per pass.",
+)
+
+
+def _prompt_cache_options(fn: F) -> F:
+    """``--prompt-cache`` and ``--prompt-cache-size``."""
+    for option in reversed((
+        click.option("--prompt-cache", type=click.Path(file_okay=False, path_type=Path),
+                     help="Keep each chat's system prompt's KV state in this folder, and read it from there at "
+                     "the next start instead of evaluating it again."),
+        click.option("--prompt-cache-size", default=DEFAULT_PROMPT_CACHE_SIZE, show_default=True,
+                     help="The most the prompt cache folder holds; the least recently used go first."),
+    )):  # fmt: skip
+        fn = option(fn)
+    return fn
+
+
 def _route_options(fn: F) -> F:
     """``--route`` and the cloud model's options, for the commands that answer through the router."""
     for option in reversed((
@@ -179,6 +203,8 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option("--seed", type=int, help="Same seed, same text.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
 @_kv_options
+@_speculative_option
+@_prompt_cache_options
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @_placement_options
 @_route_options
@@ -206,6 +232,9 @@ def run(
     kv_budget: str,
     kv_policy: str | None,
     kv_type: str,
+    speculative: str,
+    prompt_cache: Path | None,
+    prompt_cache_size: str,
     threads: int | None,
     device: str,
     gpu_layers: int,
@@ -256,6 +285,9 @@ def run(
         kv_budget=kv_budget,
         kv_policy=kv_policy,
         kv_type=kv_type,
+        speculative=speculative,
+        prompt_cache=prompt_cache,
+        prompt_cache_size=prompt_cache_size,
         threads=threads,
         device=device,
         gpu_layers=gpu_layers,
@@ -293,6 +325,8 @@ def run(
     help="On SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are cancelled.",
 )
 @_kv_options
+@_speculative_option
+@_prompt_cache_options
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @_placement_options
 @_route_options
@@ -311,6 +345,9 @@ def serve(
     kv_budget: str,
     kv_policy: str | None,
     kv_type: str,
+    speculative: str,
+    prompt_cache: Path | None,
+    prompt_cache_size: str,
     threads: int | None,
     device: str,
     gpu_layers: int,
@@ -357,6 +394,9 @@ def serve(
         kv_budget=kv_budget,
         kv_policy=kv_policy,
         kv_type=kv_type,
+        speculative=speculative,
+        prompt_cache=prompt_cache,
+        prompt_cache_size=prompt_cache_size,
         threads=threads,
         # A slot for each request decoding, and as many again for the prompts they leave cached.
         sequences=2 * parallel,
@@ -417,20 +457,20 @@ def _answer(stream: Stream, *, threads: int, as_json: bool, no_stream: bool, sta
             click.echo()
         if stats:
             local = "" if result.backend == "cloud" else f" ({threads} threads)"  # none ran for a cloud answer
-            click.echo(f"{'model':>9}: {result.model} on {result.backend}{local}", err=True)
+            click.echo(f"{'model':>12}: {result.model} on {result.backend}{local}", err=True)
             click.echo(
-                f"{'route':>9}: {result.route}{' (degraded)' if getattr(result, 'degraded', False) else ''}", err=True
+                f"{'route':>12}: {result.route}{' (degraded)' if getattr(result, 'degraded', False) else ''}", err=True
             )
             if getattr(result, "reason", ""):
-                click.echo(f"{'reason':>9}: {result.reason}", err=True)
+                click.echo(f"{'reason':>12}: {result.reason}", err=True)
             if result.backend == "cloud":
                 usage = result.cloud_usage  # type: ignore[attr-defined]
                 click.echo(
-                    f"{'cloud':>9}: {usage.prompt_tokens} prompt + {usage.completion_tokens} output tokens"
+                    f"{'cloud':>12}: {usage.prompt_tokens} prompt + {usage.completion_tokens} output tokens"
                     f"{' (counted here)' if usage.estimated else ''}, estimated cost {result.cloud_cost:.4f}",  # type: ignore[attr-defined]
                     err=True,
                 )
-            click.echo(f"{'finish':>9}: {result.finish_reason}", err=True)
+            click.echo(f"{'finish':>12}: {result.finish_reason}", err=True)
             click.echo(result.metrics.format(), err=True)
 
 
@@ -579,6 +619,7 @@ def calibrate(
     type=click.Choice(POLICIES),
     help="What to do when the KV cache fills (default: sinks; error for a model whose cache cannot drop tokens).",
 )
+@_speculative_option
 @click.option("--threads", type=int, help="CPU threads for the model (default: the free cores but one, for the UI).")
 @_placement_options
 @_user_errors
@@ -593,6 +634,7 @@ def chat(
     max_tokens: int,
     kv_budget: str,
     kv_policy: str | None,
+    speculative: str,
     threads: int | None,
     device: str,
     gpu_layers: int,
@@ -612,6 +654,7 @@ def chat(
         max_tokens=max_tokens,
         kv_budget=kv_budget,
         kv_policy=kv_policy,
+        speculative=speculative,
         threads=threads,
         device=device,
         gpu_layers=gpu_layers,

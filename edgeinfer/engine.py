@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import math
 import os
@@ -34,15 +35,19 @@ from edgeinfer.backends.base import (
 )
 from edgeinfer.chat import CHATML_MARKER, MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
-from edgeinfer.kv import DEFAULT_KV_BUDGET, MIN_KV_TOKENS, KVBudget, KVPolicy
+from edgeinfer.kv import DEFAULT_KV_BUDGET, DEFAULT_PROMPT_CACHE_SIZE, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.logits import confidence, token_logprobs
 from edgeinfer.metrics import Metrics
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.models.info import ModelInfo, load_model_info
-from edgeinfer.sampling import Sampler, SamplingParams, sampling_params
+from edgeinfer.prompt_cache import PromptCache
+from edgeinfer.sampler import Sampler
+from edgeinfer.sampling import SamplingParams, sampling_params
 from edgeinfer.sequences import CachedSequence, SequenceCache
+from edgeinfer.sizes import parse_size
+from edgeinfer.speculative import MAX_DRAFT, DraftControl, DraftCost, PromptLookup, Speculation
 from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, adrain, drain
-from edgeinfer.system import check_memory, thread_count
+from edgeinfer.system import check_memory, cpu_features, thread_count
 from edgeinfer.textstream import TextStream
 from edgeinfer.tokenizer import Tokenizer
 
@@ -76,6 +81,13 @@ class Engine:
             recomputing it), and how many answers ``generate_batch`` decodes together.
         device: where the backend runs (``"cpu"``, or a GPU its ``devices()`` lists).
         gpu_layers: layers placed on ``device`` when it is a GPU (-1, the default: all).
+        speculative: ``"lookup"`` drafts tokens from the prompt and the answer so far and verifies them
+            in one evaluation (``edgeinfer.speculative``), where that pays at the acceptance seen; ``"off"``
+            decodes one token per step. Off (and ``speculative`` says so) on a model whose cache cannot be truncated.
+        prompt_cache: a folder to keep the KV state of each chat's system prompt in (``edgeinfer.prompt_cache``):
+            the next engine, in this process or another, reads it from there instead of evaluating it. Its
+            whole chunks of ``batch_size`` tokens are kept; the backend must save states (llama.cpp's do).
+        prompt_cache_size: the most the folder holds (bytes, or ``"2GB"``); the least recently used go first.
         force: load even if the memory estimate says it will not fit.
 
     Calls from several threads (or several streams read in turn) are decoded together: each step
@@ -108,9 +120,13 @@ class Engine:
         sequences: int = DEFAULT_SEQUENCES,
         device: str = CPU,
         gpu_layers: int = -1,
+        speculative: str | Speculation = Speculation.LOOKUP,
+        prompt_cache: str | os.PathLike[str] | None = None,
+        prompt_cache_size: str | int = DEFAULT_PROMPT_CACHE_SIZE,
         force: bool = False,
     ) -> None:
         self.kv_budget = KVBudget.parse(kv_budget)
+        self.speculative = Speculation.parse(speculative)
         self.kv_policy = KVPolicy.parse(kv_policy or "sinks")
         for name, value in (("batch_size", batch_size), ("sequences", sequences)):
             if value < 1:
@@ -147,14 +163,25 @@ class Engine:
 
         self.batch_size = batch_size
         self.kv_type = kv_type
-        self.tokenizer = Tokenizer(self.model_path)
-        self.template = ChatTemplate(
-            self.info.chat_template,
-            bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
-            eos_token=self.tokenizer.token_text(self.tokenizer.eos_id),
-            chatml=self.tokenizer.has_markers(CHATML_MARKER),
-        )
         self.backend: Backend = backend_cls(self.info, options)
+        try:
+            # After the backend: llama.cpp's tokenizer shares the model the llama.cpp backend loaded.
+            self.tokenizer = Tokenizer(self.model_path)
+            self.template = ChatTemplate(
+                self.info.chat_template,
+                bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
+                eos_token=self.tokenizer.token_text(self.tokenizer.eos_id),
+                chatml=self.tokenizer.has_markers(CHATML_MARKER),
+            )
+        except BaseException:
+            self.backend.close()
+            raise
+        # What a drafted token costs depends on the model's kernels on this CPU, on the device and the threads.
+        st = self.model_path.stat()
+        self._draft_cost = DraftCost(
+            f"{self.backend.name}/{options.device}/{self.threads}t/{'+'.join(cpu_features())}/"
+            f"{self.model_path.name}:{st.st_size}:{st.st_mtime_ns}"
+        )
         self.capacity = min(options.kv_tokens, self.backend.capacity)
         self._budget_text = self.kv_budget.describe(self.capacity)  # for ContextFull messages
         self._cache = SequenceCache(self.backend, batch_size, self.capacity)
@@ -182,6 +209,30 @@ class Engine:
                 )
             log.warning("%s: a full cache ends the answer (KV policy error)", reason)
             self.kv_policy = KVPolicy("error")
+        self._prompt_cache: PromptCache | None = None
+        if prompt_cache is not None:
+            cache_bytes = parse_size(prompt_cache_size, "prompt_cache_size")
+            if self.backend.save_state(0) is None:
+                log.warning("the %s backend cannot save its KV state: the prompt cache is skipped", self.backend.name)
+            else:
+                self._prompt_cache = PromptCache(prompt_cache, self._state_identity(options), cache_bytes)
+        if self.speculative is not Speculation.OFF and not self.backend.can_truncate:
+            # Rejected drafts are truncated: a cache that cannot truncate (a recurrent state) cannot take them back.
+            log.info("%s's cache cannot take back rejected drafts: one token a step (speculative off)", self.info.name)
+            self.speculative = Speculation.OFF
+
+    def _state_identity(self, options: BackendOptions) -> str:
+        """What decides the KV state a prompt leaves: the model file, the backend and its build, its device, the
+        KV type, and the chunks prompts are evaluated in."""
+        st = self.model_path.stat()
+        try:
+            build = importlib.metadata.version("llama-cpp-python")
+        except importlib.metadata.PackageNotFoundError:
+            build = "none"
+        return (
+            f"{self.model_path.name}:{st.st_size}:{st.st_mtime_ns}/{self.backend.name}/{options.device}/"
+            f"{self.kv_type}/{self.batch_size}/llama-cpp-python {build}"
+        )
 
     def _unshiftable_why(self) -> str:
         if self.info.hparams.recurrent:
@@ -281,9 +332,28 @@ class Engine:
         else:
             messages, text = list(prompt), self.render(prompt)
             literal = self._literal_spans(messages, text) if self._has_markers(messages) else None
+        return self._encode_rendered(text, literal or ())
+
+    def _encode_rendered(self, text: str, literal: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """The tokens of a chat template's text; ``literal`` spans are text whatever control tokens they spell."""
         bos = self.tokenizer.token_text(self.tokenizer.bos_id)
         # A template that writes BOS itself must not get a second one.
-        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)), literal=literal or ())
+        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)), literal=literal)
+
+    def _system_prefix(self, prompt: Sequence[Message] | Continuation, tokens: list[int]) -> int:
+        """How much of a chat's ``tokens`` the prompt cache keeps: its system prompt's whole chunks, which the
+        next chat with the same system prompt starts with (0: none)."""
+        messages = list(prompt.messages if isinstance(prompt, Continuation) else prompt)
+        first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        if first in (0, len(messages)):
+            return 0
+        text = self.render(messages)
+        spans = self.template.content_spans(messages, text)
+        if spans is None:
+            return 0
+        head = self._encode_rendered(text[: spans[first][0]])
+        same = next((i for i, (a, b) in enumerate(zip(head, tokens, strict=False)) if a != b), len(head))
+        return min(same, len(tokens) - 1) // self.batch_size * self.batch_size
 
     def _has_markers(self, messages: Sequence[Message]) -> bool:
         """Whether message content spells a control token, in one message or across neighbours.
@@ -384,8 +454,15 @@ class Engine:
         return len(self._waiting)
 
     @property
+    def draft_token_cost(self) -> float:
+        """What a drafted token costs to verify, as a share of a one-token step, as this engine drafts by: measured
+        on this machine by an earlier engine for the same model, backend and threads (``DraftCost``)."""
+        return self._draft_cost.value
+
+    @property
     def decode_steps(self) -> tuple[int, int]:
-        """Decode steps run so far, and the answer tokens they evaluated: their ratio is the mean batch."""
+        """Decode steps run so far, and how many answers they evaluated a drawn token of (each with the tokens
+        drafted to follow it, if any): their ratio is the mean batch."""
         return self._decode_steps, self._decoded_tokens
 
     def close(self) -> None:
@@ -400,6 +477,7 @@ class Engine:
                 waiting = list(self._waiting)
             for job in waiting:
                 self._fail_job(job, _closed_error())
+            self._draft_cost.save()
             self.backend.close()
             self.tokenizer.close()
 
@@ -439,6 +517,11 @@ class Engine:
             tokens, self.capacity, reserve, has_bos=self.tokenizer.add_bos, budget=self._budget_text
         )
         job = _Job(fitted, len(tokens) - len(fitted), generations, cancel, start)
+        if self._prompt_cache is not None:
+            chat = not isinstance(prompt, str) and fitted is tokens  # a prompt cut to fit keeps no system prompt
+            job.checkpoint = self._system_prefix(prompt, tokens) if chat else 0
+            for generation in generations:  # unless the wave reads it from disk or saves it (_read_prefix)
+                generation.metrics.prompt_cache = "in memory" if job.checkpoint else "nothing to keep"
         with self._state:
             if self._closed:
                 raise _closed_error()
@@ -623,8 +706,29 @@ class Engine:
         else:
             job.cached = len(state.tokens)
             cache.drop_others(job.seqs, len(prompt) - job.cached + size * reserve + copies)
-            job.prefill = self._prefill(seq, prompt, cancel=job.cancel)
+            save = self._read_prefix(job, seq)
+            job.prefill = self._prefill(seq, prompt, cancel=job.cancel, checkpoint=save)
         return True
+
+    def _read_prefix(self, job: _Job, seq: int) -> int:
+        """Fill ``seq`` with ``job``'s prefix from the prompt cache on disk, where it is there and not in memory
+        already. Returns where the prefill should save the prefix for the next start (0: nowhere)."""
+        prefix = job.checkpoint
+        if self._prompt_cache is None or job.cached >= prefix:
+            return 0
+        tokens = job.prompt[:prefix]
+        state = self._prompt_cache.load(tokens) if self._cache.has_room(prefix) else None
+        if state is not None and self._cache.restore(seq, tokens, state):
+            job.cached = prefix
+            for generation in job.wave:
+                generation.metrics.prompt_cache, generation.metrics.disk_cached_tokens = "hit", prefix
+            return 0
+        if state is not None:
+            self._prompt_cache.discard(tokens, "was refused by the backend")
+            job.cached = 0  # the refused load left the sequence empty
+        for generation in job.wave:
+            generation.metrics.prompt_cache = "saved"
+        return prefix
 
     def _prefill_step(self, job: _Job) -> None:
         """Evaluate the next chunk of ``job``'s prompt; once it is all in, start its answers."""
@@ -666,6 +770,8 @@ class Engine:
             m = generation.metrics
             m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = n, job.prompt_cut, job.cached, job.prefill_s
             generation.start(other, logits, self._cache.sequences[other], self.model_path.name, self.capacity - n)
+            if self.speculative is Speculation.LOOKUP and logits is not None:
+                generation.lookup = PromptLookup(job.prompt)
 
     def _decode_step(self, decoding: list[_Generation]) -> None:
         """Evaluate the token each answer drew last step, all in one call; then draw each one's next token."""
@@ -673,7 +779,11 @@ class Engine:
         if stepping and not self._make_room(stepping):
             stepping = [g for g in stepping if g.finish_reason is None and not g.job.done]
         if stepping:
-            spans = [Span(g.seq, len(g.state.tokens), (g.token,), argmax=g.params.argmax_only) for g in stepping]
+            drafts = self._drafts(stepping)
+            spans = [
+                Span(g.seq, len(g.state.tokens), (g.token, *d), bool(d), argmax=g.params.argmax_only and not d)
+                for g, d in zip(stepping, drafts, strict=True)
+            ]
             t = perf_counter()
             try:
                 rows = self.backend.eval(spans)
@@ -684,11 +794,13 @@ class Engine:
                     return
                 raise
             elapsed = perf_counter() - t
+            if len(spans) == 1:  # a step of one answer alone times its draft's cost
+                self._draft_cost.observe(len(spans[0].tokens), elapsed)
             self._decode_steps += 1
             self._decoded_tokens += len(spans)
-            for span, generation, row in zip(spans, stepping, rows, strict=True):
+            for span, generation, row, draft in zip(spans, stepping, rows, drafts, strict=True):
                 self._cache.append(span.seq, span.tokens)
-                generation.logits, generation.token = row, None
+                generation.logits, generation.token, generation.draft = row, None, draft
                 generation.metrics.decode_s += elapsed
         tokenizer, ended = self.tokenizer, []
         for generation in decoding:
@@ -703,10 +815,12 @@ class Engine:
                 ended.append(job)
                 continue
             try:
-                token = generation.sample(tokenizer, job.start)
+                token = generation.draw(tokenizer, job.start)
             except Exception as exc:
                 self._fail_job(job, exc)
                 continue
+            if generation.kept < len(generation.state.tokens):  # drafted tokens it did not keep
+                self._cache.rollback(generation.seq, generation.kept)
             if job.streaming and generation.chunk:
                 job.chunks.append(generation.chunk)
             if generation.finish_reason is None:
@@ -716,6 +830,26 @@ class Engine:
         for job in ended:
             if not job.done and job.wave and all(g.finish_reason is not None for g in job.wave):
                 self._end_wave(job)
+
+    def _drafts(self, stepping: list[_Generation]) -> list[tuple[int, ...]]:
+        """The tokens each stepping answer drafts to follow the one it drew: as many as pay for themselves
+        (``DraftControl``), within its ``max_tokens``; none at all where the pool has no cells free for them."""
+        drafts: list[tuple[int, ...]] = []
+        for generation in stepping:
+            draft: tuple[int, ...] = ()
+            if generation.lookup is not None:
+                # The drawn token is its answer's; each kept draft token draws one more, so the last to verify
+                # is the one before max_tokens.
+                room = min(generation.params.max_tokens - len(generation.output) - 1, MAX_DRAFT)
+                offered = generation.lookup.draft(room) if room > 0 else []
+                draft = tuple(offered[: generation.control.length(len(offered), self._draft_cost.value)])
+                if not draft:
+                    generation.control.skipped(self._draft_cost.value)
+            drafts.append(draft)
+        extra = sum(map(len, drafts))
+        if extra and not self._cache.has_room(len(stepping) + extra):
+            return [()] * len(stepping)
+        return drafts
 
     def _make_room(self, stepping: list[_Generation]) -> bool:
         """Free a cell for each stepping answer's next token: idle sequences' first; then, for an answer alone in
@@ -872,12 +1006,14 @@ class Engine:
         *,
         cancel: threading.Event | None = None,
         rows_from: int | None = None,
+        checkpoint: int = 0,
     ) -> Iterator[tuple[int, np.ndarray]]:
         """Evaluate ``tokens`` past what ``seq`` holds, in chunks aligned to multiples of ``batch_size``; yield each
         chunk's logits.
 
         What ``seq`` holds must end on a chunk boundary. A chunk that reaches ``rows_from`` yields
-        every row's logits, any other only its last row's. Stops between chunks once ``cancel`` is set.
+        every row's logits, any other only its last row's. Stops between chunks once ``cancel`` is set. Where a
+        chunk ends at ``checkpoint``, the sequence's state there goes to the prompt cache on disk.
         """
         size = self.batch_size
         for first in range(len(self._cache.sequences[seq].tokens), len(tokens), size):
@@ -887,6 +1023,10 @@ class Engine:
             all_rows = rows_from is not None and first + len(chunk) > rows_from
             (logits,) = self.backend.eval([Span(seq, first, chunk, all_logits=all_rows)])
             self._cache.append(seq, chunk, exact_chunk=len(chunk) == size)
+            if checkpoint and first + len(chunk) == checkpoint and self._prompt_cache is not None:
+                state = self.backend.save_state(seq)
+                if state is not None:
+                    self._prompt_cache.save(tokens[:checkpoint], state)
             yield first, logits
 
 
@@ -911,6 +1051,7 @@ class _Job:
         self.logits: np.ndarray | None = None  # the last chunk's, while prefilling
         self.prefill_s = 0.0
         self.cached = 0  # prompt tokens the wave found in the cache
+        self.checkpoint = 0  # the prefix the prompt cache on disk keeps (its system prompt's whole chunks)
         self.cancel = cancel
         self.start = start
         self.streaming = len(generations) == 1  # its text is the caller's stream
@@ -929,6 +1070,10 @@ class _Generation:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.token: int | None = None  # drawn, not yet evaluated
+        self.lookup: PromptLookup | None = None  # drafts its next tokens, where the engine drafts
+        self.control = DraftControl()
+        self.draft: tuple[int, ...] = ()  # drafted tokens evaluated after ``token`` in the last step
+        self.kept = 0  # positions its sequence keeps once the last step's draft is verified
         self.reserve = 0  # cells kept free for its tokens while others run
         self.sampler = Sampler(params)
         self.text = TextStream(params.stop)
@@ -948,8 +1093,33 @@ class _Generation:
         """Cells still kept for its tokens to come."""
         return max(0, self.reserve - len(self.output))
 
-    def sample(self, tokenizer: Tokenizer, start: float) -> int:
-        """Draw the next token. Sets ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
+    def draw(self, tokenizer: Tokenizer, start: float) -> int:
+        """Draw the next token, and before it the tokens of the last step's draft it keeps: each drafted token is
+        kept only where the token drawn from the row before it is that token. Sets ``chunk`` (all the text they
+        add), ``finish_reason``, and ``kept``: the positions of its sequence that stand."""
+        draft, rows, tokens = self.draft, self.logits, self.state.tokens
+        self.kept = len(tokens)
+        if not draft:
+            return self.sample(tokenizer, start, len(tokens))
+        self.draft = ()
+        base = len(tokens) - len(draft)  # the positions up to the drawn token the draft follows
+        chunks = []
+        for accepted, row in enumerate(rows):
+            self.logits = row
+            token = self.sample(tokenizer, start, base + accepted)
+            chunks.append(self.chunk)
+            if self.finish_reason is not None or accepted == len(draft) or token != draft[accepted]:
+                break
+        self.chunk = "".join(chunks)
+        self.kept = base + accepted
+        self.metrics.drafted_tokens += len(draft)
+        self.metrics.accepted_tokens += accepted
+        self.control.verified(len(draft), accepted)
+        return token
+
+    def sample(self, tokenizer: Tokenizer, start: float, history: int) -> int:
+        """Draw the next token from ``logits``, which follow the sequence's first ``history`` positions. Sets
+        ``chunk``, the text it adds, and ``finish_reason`` when the answer ends."""
         m, params, logits = self.metrics, self.params, self.logits
         t = perf_counter()
         if logits.ndim == 0:  # the backend's own argmax of the row (Span.argmax)
@@ -958,7 +1128,9 @@ class _Generation:
                 raise _corrupt(self.model_name)
         else:
             try:
-                token = self.sampler(logits, self.state.tokens)
+                tokens = self.state.tokens
+                recent = tokens if history == len(tokens) else tokens[max(0, history - params.repeat_last_n) : history]
+                token = self.sampler(logits, recent)
             except ValueError:  # the sampler refuses a row whose largest logit is NaN or infinite
                 if not np.isfinite(logits).all():
                     raise _corrupt(self.model_name) from None
@@ -976,6 +1148,8 @@ class _Generation:
             self.finish_reason = "stop"
             return token
         self.output.append(token)
+        if self.lookup is not None:
+            self.lookup.extend((token,))
         m.token_times_s.append(t_sampled - start)
         if params.logprobs:
             self.logprobs.append(logprob)

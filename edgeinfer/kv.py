@@ -14,6 +14,9 @@ from edgeinfer.errors import ContextFull, InvalidOptionError
 from edgeinfer.sizes import TOKEN_COUNT, format_size, parse_size
 
 DEFAULT_KV_BUDGET = "4096tok"
+# The most the prompt cache on disk holds (edgeinfer.prompt_cache); a 1,000-token prefix of SmolLM2 at f16 takes
+# about 23 MB.
+DEFAULT_PROMPT_CACHE_SIZE = "2GB"
 # Below this a cache cannot hold a sink, a window and a new token at once.
 MIN_KV_TOKENS = 16
 PolicyName = Literal["sinks", "shift", "error"]

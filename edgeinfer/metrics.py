@@ -35,6 +35,13 @@ class Metrics:
     kv_used: int = 0
     kv_capacity: int = 0
     kv_evicted: int = 0  # tokens dropped by the KV policy during this call
+    # The prompt cache on disk (edgeinfer.prompt_cache): "off", "hit" (its prefix read from disk), "saved" (evaluated
+    # and written for the next start), "in memory" (the prefix was cached already), "nothing to keep" (no system
+    # prompt a whole chunk long).
+    prompt_cache: str = "off"
+    disk_cached_tokens: int = 0  # prompt tokens read from the prompt cache on disk (counted in cached_tokens too)
+    drafted_tokens: int = 0  # tokens drafted ahead and verified (edgeinfer.speculative)
+    accepted_tokens: int = 0  # of those, the ones kept: each saved a decode step
     # When each output token was sampled, in seconds from the start of the call.
     token_times_s: list[float] = field(default_factory=list, repr=False)
     # Rows of ``format`` that say nothing for this kind of call (a cloud answer ran nothing locally).
@@ -68,6 +75,11 @@ class Metrics:
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
 
     @property
+    def acceptance_rate(self) -> float:
+        """The share of drafted tokens kept (0.0 where none was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
     def prefill_tokens_per_s(self) -> float:
         evaluated = self.prompt_tokens - self.cached_tokens
         return evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
@@ -83,6 +95,7 @@ class Metrics:
             tpot_p99_s=self.tpot_percentile(99),
             tokens_per_s=self.tokens_per_s,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            acceptance_rate=self.acceptance_rate,
         )
         return out
 
@@ -115,10 +128,22 @@ class Metrics:
                 f"decode {self.decode_s * ms:.1f} ms, sample {self.sample_s * ms:.1f} ms, "
                 f"detokenize {self.detokenize_s * ms:.1f} ms",
             ),
+            (
+                "prompt cache",
+                f"hit: {self.disk_cached_tokens} prompt tokens read from disk"
+                if self.prompt_cache == "hit"
+                else self.prompt_cache,
+            ),
+            (
+                "drafts",
+                f"{self.accepted_tokens} of {self.drafted_tokens} drafted tokens kept ({self.acceptance_rate:.0%})"
+                if self.drafted_tokens
+                else "none verified",
+            ),
             ("KV cache", f"{self.kv_used}/{self.kv_capacity} tokens, {self.kv_evicted} evicted"),
             ("total", f"{self.total_s * ms:.1f} ms"),
         ]
-        return "\n".join(f"{name:>9}: {value}" for name, value in rows if name not in self.rows_left_out)
+        return "\n".join(f"{name:>12}: {value}" for name, value in rows if name not in self.rows_left_out)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

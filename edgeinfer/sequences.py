@@ -102,6 +102,26 @@ class SequenceCache:
         state._groups = [[g, a, min(b, n)] for g, a, b in state._groups if a < n]
         state._appending = False
 
+    def restore(self, seq: int, tokens: Sequence[int], state: bytes) -> bool:
+        """Make ``seq`` hold ``tokens``, a whole number of aligned prompt chunks, from a state the backend saved
+        after evaluating them as a cold run does (``Backend.save_state``); False, with ``seq`` empty, where the
+        backend cannot read it."""
+        self.forget(seq, 0)
+        if not self.backend.load_state(seq, state, len(tokens)):
+            return False
+        self.append(seq, tokens)
+        self.sequences[seq].exact = len(tokens)
+        return True
+
+    def rollback(self, seq: int, n: int) -> None:
+        """Take back ``seq``'s positions from ``n`` on, which the step just run appended to it (drafted tokens its
+        answer did not keep). They were the end of its last group, which goes on growing: no other sequence
+        references positions a step appended, so no group is split, and the group count stays flat."""
+        state = self.sequences[seq]
+        self.backend.truncate(seq, n)
+        del state.tokens[n:]
+        state._groups[-1][2] = n
+
     def share(self, src: int, dst: int, n: int) -> None:
         """Make ``dst`` hold ``src``'s first ``n`` positions, sharing their cells (or copying them, where the
         backend does not ``shares_cells``: ``copy_cost`` cells, which the caller makes room for); where the

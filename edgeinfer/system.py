@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,19 +56,53 @@ def usable_cores() -> int:
     return cores
 
 
-def free_cores(sample_s: float = 0.1) -> int:
-    """Usable cores minus the load other processes put on them right now (at least 1).
+@dataclass(frozen=True)
+class _CpuTimes:
+    """When, and how much CPU time every core and this process had spent, for the load between two of them."""
 
-    llama.cpp's threads spin while they wait; one thread more than the free cores
-    can cut throughput tenfold, so this errs on the side of fewer.
+    at: float
+    busy: tuple[float, ...]  # per core, in seconds: all but idle and I/O wait
+    own: float  # this process's threads, together
+
+    @classmethod
+    def now(cls) -> _CpuTimes:
+        cores = psutil.cpu_times(percpu=True)
+        own = psutil.Process().cpu_times()
+        busy = tuple(
+            c.user + c.nice + c.system + getattr(c, "irq", 0) + getattr(c, "softirq", 0) + getattr(c, "steal", 0)
+            for c in cores
+        )
+        return cls(time.monotonic(), busy, own.user + own.system)
+
+
+# The load other processes put on the cores is measured over a window that ends when the threads are chosen.
+# It starts at the last measurement, the first at this import: a command that loads a model chooses its threads
+# a few tenths of a second later, and needs no sleep of its own for them. A window shorter than MIN_WINDOW_S says
+# too little, and one older than MAX_WINDOW_S is stale: then a fresh one is slept through.
+MIN_WINDOW_S = 0.05
+MAX_WINDOW_S = 2.0
+_last_times = _CpuTimes.now()
+
+
+def free_cores(sample_s: float = 0.1) -> int:
+    """Usable cores minus the load other processes put on them lately (at least 1): over the time since the
+    last call, or this module's import, where that is recent enough; else over ``sample_s`` from now.
+
+    This process's own work (its imports, a model's load) is not counted against it. llama.cpp's threads
+    spin while they wait; one thread more than the free cores can cut throughput tenfold, so this errs on
+    the side of fewer.
     """
-    cores = usable_cores()
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    per_cpu = psutil.cpu_percent(interval=sample_s, percpu=True)
-    if allowed is not None:
-        per_cpu = [per_cpu[i] for i in allowed if i < len(per_cpu)]
-    busy = sum(per_cpu) / 100.0
-    return max(1, min(cores, int(len(per_cpu) - busy + 0.25)))
+    global _last_times
+    start = _last_times
+    if not MIN_WINDOW_S <= time.monotonic() - start.at <= MAX_WINDOW_S:
+        start = _CpuTimes.now()
+        time.sleep(sample_s)
+    end = _last_times = _CpuTimes.now()
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(len(end.busy))
+    allowed = [i for i in allowed if i < len(end.busy)]
+    busy = sum(end.busy[i] - start.busy[i] for i in allowed) - (end.own - start.own)
+    others = max(0.0, busy / (end.at - start.at))  # cores' worth of other processes' work
+    return max(1, min(usable_cores(), int(len(allowed) - others + 0.25)))
 
 
 def thread_count(requested: int | None = None, *, spinning: bool = True, spare: int = 0) -> int:

@@ -242,14 +242,15 @@ class _LlamaCppVocabulary:
     def __init__(self, path: str | Path) -> None:
         # Imported here so that `import edgeinfer` works, and says what is wrong, without llama.cpp.
         try:
-            from edgeinfer.backends.llamacpp import llama_lib, load_model
+            from edgeinfer.backends.llamacpp import free_model, llama_lib, load_model
         except NATIVE_LOAD_ERRORS as exc:
             raise BackendUnavailableError(
                 f"llama-cpp-python, which this tokenizer runs on, cannot be loaded ({exc}); "
                 "install it as README.md shows"
             ) from None
         self._lib = llama_lib()
-        self._model = load_model(str(path), vocab_only=True)
+        self._free = free_model
+        self._model = load_model(str(path), vocab_only=True)  # the backend's, where it loaded this file
         self._vocab = self._lib.llama_model_get_vocab(self._model)
         self.n_vocab: int = self._lib.llama_vocab_n_tokens(self._vocab)
         self.bos_id: int = self._lib.llama_vocab_bos(self._vocab)
@@ -293,7 +294,7 @@ class _LlamaCppVocabulary:
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
     def close(self) -> None:
-        self._lib.llama_model_free(self._model)
+        self._free(self._model)
 
 
 def _sentencepiece_normalizer(rule: str | None, fold_whitespace: bool, path: str | Path) -> Callable[[str], str] | None:

@@ -16,32 +16,11 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
-import httpx2
-from huggingface_hub import constants as hf_constants
-from huggingface_hub import (
-    get_hf_file_metadata,
-    hf_hub_download,
-    hf_hub_url,
-    scan_cache_dir,
-    try_to_load_from_cache,
-)
-from huggingface_hub.errors import (
-    FileMetadataError,
-    GatedRepoError,
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-)
-from huggingface_hub.utils import silent_tqdm, validate_repo_id
-
-from edgeinfer.errors import DownloadError, ModelNotFoundError
+from edgeinfer.errors import ModelNotFoundError
 from edgeinfer.models.packaged import assembled_file, shipped_file
 
 __all__ = [
@@ -56,21 +35,8 @@ __all__ = [
 
 DEFAULT_MODEL = "smollm2-135m"
 
-_E = TypeVar("_E", bound=BaseException)
-
-_SPEC_HINT = "pass a .gguf path, a catalog alias from 'edgeinfer list', or hf:ORG/REPO/FILE.gguf"
-_HF_PREFIX = "hf:"
-# The repo id is checked by huggingface_hub itself; this only splits it from the file path.
-_HF_REF = re.compile(r"hf:(?P<repo_id>[^/]+/[^/]+)/(?P<filename>.+\.gguf)", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class _HubFile:
-    repo_id: str
-    filename: str
-
-    def __str__(self) -> str:
-        return f"{_HF_PREFIX}{self.repo_id}/{self.filename}"
+SPEC_HINT = "pass a .gguf path, a catalog alias from 'edgeinfer list', or hf:ORG/REPO/FILE.gguf"
+HF_PREFIX = "hf:"
 
 
 @dataclass(frozen=True)
@@ -93,7 +59,7 @@ class CatalogEntry:
     @property
     def hf_ref(self) -> str:
         """The entry as ``hf:ORG/REPO/FILE.gguf``."""
-        return str(_HubFile(self.hf_repo, self.hf_file))
+        return f"{HF_PREFIX}{self.hf_repo}/{self.hf_file}"
 
 
 @dataclass(frozen=True)
@@ -173,8 +139,10 @@ def resolve_model(spec: str | os.PathLike[str], *, download: bool = True, progre
     """
     if not isinstance(spec, str):
         return _local_file(Path(spec))
-    if spec.startswith(_HF_PREFIX):
-        return _from_hub(_parse_hf_ref(spec), spec, download=download, progress=progress)
+    if spec.startswith(HF_PREFIX):
+        from edgeinfer.models import hub  # huggingface_hub takes a fifth of a second to import: only for the Hub
+
+        return hub.from_hub(hub.parse_ref(spec), spec, download=download, progress=progress)
 
     path = Path(spec).expanduser()
     looks_like_path = spec.lower().endswith(".gguf") or any(sep in spec for sep in (os.sep, os.altsep) if sep)
@@ -185,11 +153,13 @@ def resolve_model(spec: str | os.PathLike[str], *, download: bool = True, progre
     if entry is None and path.exists():  # a folder given by its bare name: say what it is
         return _local_file(path)
     if entry is None:
-        raise ModelNotFoundError(f"unknown model {spec!r} (known aliases: {', '.join(CATALOG)}; or {_SPEC_HINT})")
+        raise ModelNotFoundError(f"unknown model {spec!r} (known aliases: {', '.join(CATALOG)}; or {SPEC_HINT})")
     packaged = _packaged_file(entry)
     if packaged is not None:
         return packaged
-    return _from_hub(_HubFile(entry.hf_repo, entry.hf_file), spec, download=download, progress=progress)
+    from edgeinfer.models import hub
+
+    return hub.from_hub(hub.HubFile(entry.hf_repo, entry.hf_file), spec, download=download, progress=progress)
 
 
 def pull(spec: str, *, progress: bool = True) -> Path:
@@ -207,7 +177,9 @@ def list_models() -> list[ModelListing]:
 
     Reads only the local disk, so it works offline.
     """
-    cached = _cached_gguf_files()
+    from edgeinfer.models.hub import cached_gguf_files
+
+    cached = cached_gguf_files()
     listings = []
     for entry in CATALOG.values():
         cached_path = cached.pop(entry.hf_ref, None)
@@ -251,7 +223,7 @@ def _local_file(path: Path) -> Path:
             raise ModelNotFoundError(
                 f"{path} is a symbolic link to {os.readlink(path)}, which does not exist; point it at the .gguf file"
             ) from None
-        raise ModelNotFoundError(f"model file not found: {path} ({_SPEC_HINT})") from None
+        raise ModelNotFoundError(f"model file not found: {path} ({SPEC_HINT})") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ModelNotFoundError(f"{path} is a loop of symbolic links; pass the .gguf file itself") from None
@@ -268,25 +240,6 @@ def _local_file(path: Path) -> Path:
     return path
 
 
-def _parse_hf_ref(spec: str) -> _HubFile:
-    match = _HF_REF.fullmatch(spec)
-    malformed = ModelNotFoundError(
-        f"malformed Hugging Face reference {spec!r} (expected hf:ORG/REPO/FILE.gguf, e.g. "
-        f"{CATALOG[DEFAULT_MODEL].hf_ref})"
-    )
-    if match is None:
-        raise malformed
-    repo_id, filename = match["repo_id"], match["filename"]
-    # Blank or dot segments would step outside the repo's folder in the cache.
-    if any(part in ("", ".", "..") or part != part.strip() for part in filename.split("/")):
-        raise malformed
-    try:
-        validate_repo_id(repo_id)
-    except ValueError:
-        raise malformed from None
-    return _HubFile(repo_id, filename)
-
-
 def _packaged_file(entry: CatalogEntry, *, build: bool = True) -> Path | None:
     """The file an installed package ships (``build``: assembling it from its parts if needed); else None."""
     if entry.package is not None:
@@ -294,106 +247,3 @@ def _packaged_file(entry: CatalogEntry, *, build: bool = True) -> Path | None:
     if entry.parts and entry.sha256 is not None:
         return assembled_file(entry.parts, entry.hf_file, entry.sha256, build=build)
     return None
-
-
-def _hub_cache() -> Path:
-    # Read on each call so the cache huggingface_hub was configured with is the one searched;
-    # scan_cache_dir's own default is bound at import and would miss later changes.
-    return Path(hf_constants.HF_HUB_CACHE)
-
-
-def _from_hub(ref: _HubFile, spec: str, *, download: bool, progress: bool) -> Path:
-    cached = try_to_load_from_cache(ref.repo_id, ref.filename, cache_dir=_hub_cache())
-    if isinstance(cached, str):
-        return Path(cached)
-    if not download:
-        raise ModelNotFoundError(f"{spec} is not downloaded yet (run 'edgeinfer pull {spec}')")
-    return _download(ref, progress=progress)
-
-
-def _download(ref: _HubFile, *, progress: bool) -> Path:
-    try:
-        # hf_hub_download retries an unreachable Hub with back-off for about 25 s before it gives
-        # up. One HEAD without retries fails fast and tells a missing file from a dead network.
-        get_hf_file_metadata(hf_hub_url(ref.repo_id, ref.filename))
-        path = hf_hub_download(
-            ref.repo_id,
-            ref.filename,
-            cache_dir=_hub_cache(),
-            tqdm_class=None if progress else silent_tqdm,
-        )
-    # hf_xet, which fetches Xet-stored files, reports failures as OSError or RuntimeError.
-    except (httpx2.HTTPError, OSError, ValueError, RuntimeError) as exc:
-        raise _download_error(ref, exc) from exc
-    return Path(path)
-
-
-def _download_error(ref: _HubFile, exc: BaseException) -> DownloadError:
-    """Name the problem behind a failed download and its fix, in one line."""
-    endpoint = hf_constants.ENDPOINT
-    repo_url = f"{endpoint}/{ref.repo_id}"
-    chain = _exception_chain(exc)
-
-    def found(kind: type[_E]) -> _E | None:
-        return next((e for e in chain if isinstance(e, kind)), None)
-
-    # Most specific first: huggingface_hub wraps the real cause in more general errors.
-    if found(OfflineModeIsEnabled):
-        reason = "offline mode is on (unset HF_HUB_OFFLINE and retry, or pass a local .gguf path)"
-    elif found(GatedRepoError):
-        reason = f"{ref.repo_id} is gated (accept its terms at {repo_url}, then run 'hf auth login' or set HF_TOKEN)"
-    elif found(RepositoryNotFoundError):
-        reason = (
-            f"no repository {ref.repo_id} on {endpoint} (check the name; a private repo needs "
-            "'hf auth login' or HF_TOKEN)"
-        )
-    elif found(RemoteEntryNotFoundError):
-        reason = f"no file {ref.filename} in {ref.repo_id} (see the file names at {repo_url}/tree/main)"
-    elif found(httpx2.TimeoutException):
-        reason = f"{endpoint} did not answer in time (check the network and retry)"
-    elif found(httpx2.TransportError):
-        reason = f"no network connection to {endpoint} (connect and retry, or pass a local .gguf path)"
-    elif found(FileMetadataError):
-        reason = f"{endpoint} does not behave like the Hugging Face Hub (check HF_ENDPOINT)"
-    elif (http_error := found(HfHubHTTPError)) is not None:
-        status = http_error.response.status_code
-        if status in (401, 403):
-            reason = (
-                f"{endpoint} refused access (HTTP {status}; run 'hf auth login' or set HF_TOKEN, "
-                "and accept the model's terms if it is gated)"
-            )
-        elif status >= 500:
-            reason = f"{endpoint} failed with HTTP {status} (retry later)"
-        else:
-            reason = f"{endpoint} answered HTTP {status} (check the reference and HF_ENDPOINT)"
-    else:
-        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        reason = f"{detail} (retry, or pass a local .gguf path)"
-    return DownloadError(f"cannot download {ref}: {reason}")
-
-
-def _exception_chain(exc: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
-
-
-def _cached_gguf_files() -> dict[str, Path]:
-    """``hf:ORG/REPO/FILE`` -> snapshot path, for every ``.gguf`` in the Hugging Face cache."""
-    cache = _hub_cache()
-    if not cache.is_dir():
-        return {}
-    files: dict[str, Path] = {}
-    for repo in scan_cache_dir(cache).repos:
-        if repo.repo_type != "model":
-            continue
-        # Visit the revision 'main' points at last, so its copy of a file is the one kept.
-        for revision in sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified)):
-            for file in revision.files:
-                relative = file.file_path.relative_to(revision.snapshot_path).as_posix()
-                if relative.lower().endswith(".gguf"):
-                    files[str(_HubFile(repo.repo_id, relative))] = file.file_path
-    return files

@@ -54,7 +54,7 @@ import llama_cpp
 import numpy as np
 
 from edgeinfer import Engine
-from edgeinfer.backends.llamacpp import llama_lib, load_model
+from edgeinfer.backends.llamacpp import free_model, llama_lib, load_model
 from edgeinfer.models.catalog import DEFAULT_MODEL, resolve_model
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.system import thread_count
@@ -243,7 +243,7 @@ class Plain:
             llama_cpp.llama_sampler_free(sampler)
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
-        llama_cpp.llama_model_free(self.model)
+        free_model(self.model)
 
 
 def run_llama(llm: llama_cpp.Llama, text: str, params: SamplingParams, n_gen: int, prompt_tokens: int) -> Timing:

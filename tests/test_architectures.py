@@ -21,6 +21,7 @@ from edgeinfer import (
     InvalidOptionError,
     ModelNotFoundError,
     SamplingParams,
+    Speculation,
 )
 from edgeinfer.backends import backend_status
 from edgeinfer.cli import cli
@@ -196,6 +197,8 @@ def test_a_recurrent_model_runs_with_the_error_policy_and_says_why(tmp_path, cap
         assert engine.kv_policy.name == "error" and "KV policy error" in caplog.text
         assert not engine.backend.can_shift and not engine.backend.can_truncate
         first = engine.generate("hello there", max_tokens=6, temperature=0, ignore_eos=True).tokens
+        # Rejected drafts would need truncating: a recurrent model decodes one token per step.
+        assert engine.speculative is Speculation.OFF
         # Another prompt, then the first again: the state cannot be cut back to a shared prefix, so the
         # engine starts over and answers as it did the first time.
         engine.chat([{"role": "user", "content": "hello there"}], max_tokens=4, temperature=0)

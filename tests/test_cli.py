@@ -49,6 +49,19 @@ def test_run_json_and_stats(runner):
         assert line in result.stderr
 
 
+@pytest.mark.parametrize("mode", ["lookup", "off"])
+def test_run_speculative_shows_the_drafts(runner, mode):
+    count = "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n1 2 3"
+    args = ["run", count, "--raw", "--temperature", "0", "--max-tokens", "16", "--threads", "2", "--json", "--stats"]
+    result = runner.invoke(cli, [*args, "--speculative", mode])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.stdout)["metrics"]
+    if mode == "lookup":  # the default: the count is drafted from the prompt
+        assert metrics["accepted_tokens"] > 0 and "drafted tokens kept" in result.stderr
+    else:
+        assert metrics["drafted_tokens"] == 0 and "drafts: none verified" in result.stderr
+
+
 def test_run_reads_the_prompt_from_stdin(runner):
     result = runner.invoke(
         cli, JAPAN_ARGS[:1] + JAPAN_ARGS[2:] + ["--no-stream"], input="What is the capital of Japan?"
@@ -133,6 +146,24 @@ def test_real_subprocess_answers_and_pipes():
     proc = run_edgeinfer(*JAPAN_ARGS, "--stats")
     assert proc.returncode == 0, proc.stderr
     assert "Tokyo" in proc.stdout and "TTFT" in proc.stderr
+
+
+def _imported(*args: str) -> set[str]:
+    """The modules ``edgeinfer ARGS`` imports, from Python's -X importtime report."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "edgeinfer", *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_the_command_imports_only_what_it_uses():
+    # --help answers before numpy, llama.cpp, huggingface_hub or httpx: each costs tenths of a second.
+    slow = {"numpy", "llama_cpp", "huggingface_hub", "httpx", "jinja2"}
+    assert not slow & _imported("--help") and not slow & _imported("run", "--help")
+    # A local answer from a packaged model needs neither the Hub's client nor the cloud's.
+    answered = _imported("run", "hi", "--max-tokens", "1", "--threads", "2")
+    assert {"numpy", "llama_cpp"} <= answered and not {"huggingface_hub", "httpx", "openai"} & answered
 
 
 def test_real_subprocess_error_is_one_line(tmp_path):

@@ -17,8 +17,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "ground: errors, the machine, text and numbers",
         (
             "edgeinfer.errors", "edgeinfer.buildflags", "edgeinfer.files", "edgeinfer.sizes", "edgeinfer.system",
-            "edgeinfer.logits", "edgeinfer.sampling", "edgeinfer.kv", "edgeinfer.metrics", "edgeinfer.textstream",
-            "edgeinfer.chat",
+            "edgeinfer.logits", "edgeinfer.sampling", "edgeinfer.sampler", "edgeinfer.kv", "edgeinfer.metrics",
+            "edgeinfer.textstream", "edgeinfer.chat",
         ),
     ),
     ("models: GGUF files, architectures, the catalog, the reference transformer", ("edgeinfer.models",)),
@@ -26,8 +26,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     (
         "the engine: tokenizer, sequences, streams, the decode loop, evaluation",
         (
-            "edgeinfer.tokenizer", "edgeinfer.vocabulary", "edgeinfer.sequences", "edgeinfer.streams",
-            "edgeinfer.engine", "edgeinfer.evaluate",
+            "edgeinfer.tokenizer", "edgeinfer.vocabulary", "edgeinfer.sequences", "edgeinfer.speculative",
+            "edgeinfer.prompt_cache",
+            "edgeinfer.streams", "edgeinfer.engine", "edgeinfer.evaluate",
         ),
     ),
     ("converters: Hugging Face checkpoints to GGUF", ("edgeinfer.converters",)),

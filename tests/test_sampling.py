@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from edgeinfer import InvalidOptionError
-from edgeinfer.sampling import Sampler, SamplingParams, _top_k
+from edgeinfer.sampler import Sampler, _top_k
+from edgeinfer.sampling import SamplingParams
 from edgeinfer.textstream import TextStream
 
 RNG = np.random.default_rng(0)

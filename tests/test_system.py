@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 import edgeinfer
-from edgeinfer import BackendUnavailableError, Engine, InsufficientMemoryError, InvalidOptionError
+from edgeinfer import BackendUnavailableError, Engine, InsufficientMemoryError, InvalidOptionError, system
 from edgeinfer.backends import backend_class
 from edgeinfer.backends.base import BackendOptions
 from edgeinfer.buildflags import contrast_cmake_args, cpu_flags, rebuild_command, safe_cmake_args
@@ -28,6 +29,7 @@ from edgeinfer.system import (
     check_memory,
     child_env,
     cpu_features,
+    free_cores,
     llama_cpp_libraries,
     peak_rss,
     probe_native_build,
@@ -115,6 +117,27 @@ def test_one_rule_counts_threads():
     assert thread_count(spare=10_000) == 1
     with pytest.raises(InvalidOptionError, match="threads must be at least 1, got 0"):
         thread_count(0)
+
+
+def test_free_cores_counts_other_processes_load_and_not_this_ones():
+    if usable_cores() < 2:
+        pytest.skip("needs two cores: one to keep busy, one to stay free")
+    time.sleep(system.MIN_WINDOW_S)
+    free_cores()  # the window starts here
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # this process's own work (an import, a model's load) leaves cores free
+        pass
+    idle = free_cores()
+    assert idle >= 2, "another process kept a core busy: the test needs a quiet machine"
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # the window since the last call holds the spinner's half second
+        assert free_cores() == idle - 1
+        time.sleep(system.MAX_WINDOW_S + 0.1)  # too old a window: a fresh sample, still with the spinner
+        assert free_cores() == idle - 1
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_a_child_imports_this_edgeinfer_and_reports_its_own_peak_rss(tmp_path):

@@ -17,6 +17,7 @@ from edgeinfer.assemble import Answerer, Route, close_answerer, open_answerer
 from edgeinfer.backends.base import CPU
 from edgeinfer.kv import DEFAULT_KV_BUDGET
 from edgeinfer.models.catalog import DEFAULT_MODEL
+from edgeinfer.speculative import Speculation
 from edgeinfer.system import thread_count
 
 _SAMPLING = SamplingParams()
@@ -47,6 +48,7 @@ class ChatSettings:
     max_tokens: int = _SAMPLING.max_tokens
     kv_budget: str = DEFAULT_KV_BUDGET
     kv_policy: str | None = None  # None: the engine's default (sinks, or error where the cache cannot drop tokens)
+    speculative: str = Speculation.LOOKUP.value
     route: str = "local"
     cloud_url: str | None = None  # default: $EDGEINFER_CLOUD_URL
     cloud_model: str | None = None  # default: $EDGEINFER_CLOUD_MODEL
@@ -61,6 +63,7 @@ class ChatSettings:
         if self.kv_policy is not None:
             KVPolicy.parse(self.kv_policy)
         KVBudget.parse(self.kv_budget)
+        Speculation.parse(self.speculative)
         if self.threads is not None:
             thread_count(self.threads)  # refuses a count below 1
 
@@ -85,6 +88,7 @@ def open_chat(settings: ChatSettings) -> tuple[Engine, ChatModel]:
         backend=settings.backend,
         kv_budget=settings.kv_budget,
         kv_policy=settings.kv_policy,
+        speculative=settings.speculative,
         # The UI renders while the model decodes; without a core of its own it preempts one of
         # llama.cpp's spinning threads and every token waits (tenfold slower on 2 busy cores).
         threads=thread_count(settings.threads, spare=1),

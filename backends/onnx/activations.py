@@ -24,7 +24,8 @@ from typing import Protocol
 import numpy as np
 
 from edgeinfer.logits import kl_divergence
-from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.sampler import Sampler
+from edgeinfer.sampling import SamplingParams
 
 from ..base import Span
 

@@ -227,6 +227,12 @@ class OnnxRuntimeBackend:
     def can_truncate(self) -> bool:
         return True
 
+    def save_state(self, seq: int) -> None:
+        return None  # its cells live in its own buffers, with no format to write them in
+
+    def load_state(self, seq: int, data: bytes, n: int) -> bool:
+        return False
+
     @property
     def n_vocab(self) -> int:
         return self._n_vocab

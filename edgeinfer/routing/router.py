@@ -163,7 +163,7 @@ class CloudMetrics(Metrics):
     piece of its stream arrived (``token_times_s``; a piece is about a token), which the decode row's
     percentiles read. Nothing ran locally: ``format`` leaves out prefill, stage times and the KV cache."""
 
-    rows_left_out: ClassVar[tuple[str, ...]] = ("prefill", "stages", "KV cache")
+    rows_left_out: ClassVar[tuple[str, ...]] = ("prefill", "stages", "prompt cache", "drafts", "KV cache")
 
 
 @dataclass
@@ -426,7 +426,9 @@ class _Routing:
                 verdict = ">=" if self.score >= policy.threshold else "<"
                 self.reason = (
                     f"escalation score {self.score:.2f} {verdict} {policy.threshold:.2f} after "
-                    f"{len(stream.tokens)} local tokens ({top_signals(self.signals, policy.weights)})"
+                    # The signals read the first K tokens; a chunk of kept drafted tokens may have brought more.
+                    f"{min(len(stream.tokens), policy.probe_tokens)} local tokens "
+                    f"({top_signals(self.signals, policy.weights)})"
                 )
                 if verdict == ">=" and not self.call.cancelled:
                     yield from self._cloud(self.messages, fallback=(stream, held))

@@ -57,9 +57,9 @@ class ServerMetrics:
             ("edgeinfer_requests_running", "Requests holding a slot.", running),
             ("edgeinfer_kv_cells_used", "KV cells in use across all sequences (a shared prefix counts once).", kv_used),
             ("edgeinfer_kv_cells_capacity", "KV cells in the budget.", kv_capacity),
-            ("edgeinfer_decode_steps", "Decode steps run: each evaluates one token of every running answer.",
+            ("edgeinfer_decode_steps", "Decode steps run: each evaluates the next token of every running answer.",
              lambda: steps()[0]),
-            ("edgeinfer_decoded_tokens", "Tokens the decode steps evaluated (over steps: the mean batch).",
+            ("edgeinfer_decoded_tokens", "Answers the decode steps evaluated a token of (over steps: the mean batch).",
              lambda: steps()[1]),
         )  # fmt: skip
         for name, documentation, read in gauges:

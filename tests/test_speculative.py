@@ -1,0 +1,159 @@
+"""Prompt-lookup drafting (edgeinfer.speculative) through the real engine and llama.cpp."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from edgeinfer import Engine, InvalidOptionError, SamplingParams, Speculation
+from edgeinfer.speculative import DRAFT_TOKEN_COST, MAX_DRAFT, DraftControl, DraftCost, PromptLookup
+
+from support import MIN_MARGIN, active_sequence, greedy_margins
+
+# Text that continues by copying itself: greedy SmolLM2 counts on, " 4 5 6 ... 18", and every token leads
+# the runner-up by more than MIN_MARGIN (1.9 logits on AVX2 and AVX-512 builds; checked below), so drafting
+# or not, the same tokens come out.
+COUNT = "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n1 2 3"
+
+
+def test_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest_match():
+    lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
+    lookup.extend([1, 2, 3])  # ends with 1 2 3: the trigram occurred at the start, followed by 4 5
+    assert lookup.draft(3) == [4, 5, 9]
+    lookup.extend([6, 2, 3])  # no earlier "6 2 3": the bigram "2 3" last ended before the trailing 6
+    assert lookup.draft(2) == [6, 2]
+    lookup.extend([42])
+    assert lookup.draft(4) == []  # 42 never occurred before
+    assert PromptLookup([]).draft(4) == []
+
+
+def _decode(control: DraftControl, acceptance: float, token_cost: float, assumed: float, tokens: int = 20_000) -> float:
+    """Decode speed with ``control`` drafting, as a share of decoding one token per step: each drafted token
+    is right with chance ``acceptance`` (given the one before it was) and costs ``token_cost`` of a step, where
+    the controller was told ``assumed``."""
+    draws = random.Random(0)
+    steps = drafted = decoded = 0
+    while decoded < tokens:
+        k = control.length(MAX_DRAFT, assumed)
+        if k == 0:
+            control.skipped(assumed)
+        accepted = 0
+        while accepted < k and draws.random() < acceptance:
+            accepted += 1
+        if k:
+            control.verified(k, accepted)
+        steps, drafted, decoded = steps + 1, drafted + k, decoded + accepted + 1
+    return decoded / (steps + drafted * token_cost)
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.2, 0.4, 0.6, 0.8, 0.95])
+@pytest.mark.parametrize("token_cost", [0.2, 0.4, DRAFT_TOKEN_COST, 1.0])
+def test_drafting_never_costs_more_than_three_percent_of_decode_speed(acceptance, token_cost):
+    # Where a drafted token costs what the controller was told (DraftCost measures it), at any acceptance.
+    assert _decode(DraftControl(), acceptance, token_cost, assumed=token_cost) >= 0.97
+    # Before a measurement: every draft rejected, with a drafted token as dear as a whole step.
+    if acceptance == 0.0:
+        assert _decode(DraftControl(), acceptance, 1.0, assumed=DRAFT_TOKEN_COST) >= 0.97
+
+
+def test_drafting_pays_where_most_drafts_are_kept():
+    assert _decode(DraftControl(), 0.95, token_cost=0.25, assumed=0.25) > 1.5  # F16's cost: a drafted token is cheap
+    control = DraftControl()
+    for _ in range(20):
+        control.verified(4, 0)
+    assert control.length(MAX_DRAFT) == 0  # off after a run of rejections
+
+
+def test_the_measured_draft_cost_is_kept_for_the_next_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    cost = DraftCost("model on this machine")
+    assert cost.value == DRAFT_TOKEN_COST and cost.measured() is None
+    for _ in range(DraftCost.MIN_STEPS):
+        cost.observe(1, 0.010)
+        cost.observe(5, 0.022)  # four drafted tokens cost 1.2 steps: 0.3 each
+    assert cost.measured() == pytest.approx(0.3)
+    cost.value = 0.9  # an engine's figure stays what it started with; the next one reads the measurement
+    cost.save()
+    kept = DraftCost("model on this machine")
+    assert kept.value == pytest.approx(0.3) and DraftCost("another model").value == DRAFT_TOKEN_COST
+    for _ in range(DraftCost.MIN_STEPS):  # 0.35: within MIN_CHANGE of the kept figure, which stays
+        kept.observe(1, 0.010)
+        kept.observe(5, 0.024)
+    kept.save()
+    assert DraftCost("model on this machine").value == pytest.approx(0.3)
+    (tmp_path / DraftCost.FILE).write_text("{not json")
+    assert DraftCost("model on this machine").value == DRAFT_TOKEN_COST  # a damaged file is measured again
+
+
+def test_an_unknown_mode_is_one_line_naming_the_choices():
+    with pytest.raises(InvalidOptionError, match="unknown speculative mode 'fast'; choose one of lookup, off"):
+        Speculation.parse("fast")
+
+
+@pytest.fixture(scope="module")
+def without_drafts(model_path):
+    with Engine(model_path, kv_budget="2048tok", threads=2, speculative="off") as e:
+        yield e
+
+
+def test_greedy_answers_are_the_same_tokens_with_drafts_as_without(engine, without_drafts):
+    assert engine.speculative is Speculation.LOOKUP  # the default
+    drafted = engine.generate(COUNT, temperature=0, max_tokens=40, ignore_eos=True)
+    plain = without_drafts.generate(COUNT, temperature=0, max_tokens=40, ignore_eos=True)
+    # The cache keeps the kept tokens alone (all but the last, drawn and not yet evaluated), in as many
+    # groups as decoding without drafts leaves.
+    held = engine._cache.sequences[active_sequence(engine)]
+    plain_held = without_drafts._cache.sequences[active_sequence(without_drafts)]
+    assert held.tokens == plain_held.tokens == engine.tokenize(COUNT) + list(drafted.tokens[:-1])
+    assert len(held._groups) == len(plain_held._groups)
+    assert greedy_margins(without_drafts, COUNT, plain).min() > MIN_MARGIN
+    assert drafted.tokens == plain.tokens and drafted.text == plain.text
+    m = drafted.metrics
+    assert m.accepted_tokens > 20 and m.drafted_tokens >= m.accepted_tokens  # most of the count came from drafts
+    assert m.to_dict()["acceptance_rate"] == m.accepted_tokens / m.drafted_tokens
+    assert "drafted tokens kept" in m.format()
+    assert plain.metrics.drafted_tokens == 0 and "none verified" in plain.metrics.format()
+
+
+def test_answers_decoded_together_draft_and_keep_their_own_tokens(engine, without_drafts):
+    single = without_drafts.generate(COUNT, temperature=0, max_tokens=30, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 7, 30)]
+    answers = engine.generate_batch(COUNT, params)
+    assert [a.tokens for a in answers] == [single.tokens, single.tokens[:7], single.tokens]
+    assert all(a.metrics.accepted_tokens for a in answers)
+
+
+# Each arm samples this many answers; a draft-acceptance rule that favoured drafted tokens would shift the
+# commonest answers' shares by far more than the test's tolerance.
+SAMPLES = 240
+SAMPLED = "one two three four five, one two three four five, one two three four five, one two"
+
+
+def test_sampled_answers_follow_the_same_distribution_with_drafts_as_without(engine, without_drafts):
+    """A chi-squared test of homogeneity between the answers drawn with drafts and without, each arm with
+    its own seeds; it also checks the drafts were both kept and rejected, so the test covers verification."""
+    counts = {}
+    drafted = accepted = 0
+    for arm, e, seeds in (("lookup", engine, range(SAMPLES)), ("off", without_drafts, range(SAMPLES, 2 * SAMPLES))):
+        params = [SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=4, seed=s) for s in seeds]
+        answers = e.generate_batch(SAMPLED, params)
+        counts[arm] = Counter(a.text for a in answers)
+        drafted += sum(a.metrics.drafted_tokens for a in answers)
+        accepted += sum(a.metrics.accepted_tokens for a in answers)
+    assert 0 < accepted < drafted
+    both = counts["lookup"] + counts["off"]
+    common = [text for text, n in both.most_common() if n >= 10]
+    assert len(common) >= 2
+    cells = [(counts["lookup"][t], counts["off"][t]) for t in common]
+    rest = [(SAMPLES - sum(a for a, _ in cells), SAMPLES - sum(b for _, b in cells))]
+    chi2 = 0.0
+    for a, b in cells + (rest if sum(rest[0]) else []):
+        expected = (a + b) / 2
+        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+    df = len(cells) + bool(sum(rest[0])) - 1
+    # The 99.9th percentile of chi-squared with df degrees of freedom (Wilson-Hilferty), a false alarm in 1,000 runs.
+    z = 3.09
+    limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert chi2 < limit, (chi2, limit, counts)
