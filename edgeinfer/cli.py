@@ -129,14 +129,18 @@ def _kv_options(fn: F) -> F:
     return fn
 
 
-_speculative_option = click.option(
-    "--speculative",
-    type=click.Choice([s.value for s in Speculation]),
-    default=Speculation.LOOKUP.value,
-    show_default=True,
-    help="lookup: draft tokens from the prompt and the answer so far and check them in one pass, where the "
-    "acceptance pays for it (the same text, faster where answers quote their input); off: one token per pass.",
-)
+def _speculative_options(fn: F) -> F:
+    """``--speculative`` and ``--draft-model``."""
+    for option in reversed((
+        click.option("--speculative", type=click.Choice([s.value for s in Speculation]),
+                     help="lookup (the default): draft tokens from the prompt and the answer so far and check them "
+                     "in one pass, where that pays (the same text, faster where answers quote their input); draft "
+                     "(the default with --draft-model): draft them with a smaller model; off: one token a pass."),
+        click.option("--draft-model", help="A smaller model with the same vocabulary to draft with (.gguf path "
+                     "or alias)."),
+    )):  # fmt: skip
+        fn = option(fn)
+    return fn
 
 
 def _prompt_cache_options(fn: F) -> F:
@@ -203,7 +207,7 @@ def main(args: list[str] | None = None, prog_name: str = "edgeinfer") -> None:
 @click.option("--seed", type=int, help="Same seed, same text.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
 @_kv_options
-@_speculative_option
+@_speculative_options
 @_prompt_cache_options
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @_placement_options
@@ -232,7 +236,8 @@ def run(
     kv_budget: str,
     kv_policy: str | None,
     kv_type: str,
-    speculative: str,
+    speculative: str | None,
+    draft_model: str | None,
     prompt_cache: Path | None,
     prompt_cache_size: str,
     threads: int | None,
@@ -286,6 +291,7 @@ def run(
         kv_policy=kv_policy,
         kv_type=kv_type,
         speculative=speculative,
+        draft=draft_model,
         prompt_cache=prompt_cache,
         prompt_cache_size=prompt_cache_size,
         threads=threads,
@@ -325,7 +331,7 @@ def run(
     help="On SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are cancelled.",
 )
 @_kv_options
-@_speculative_option
+@_speculative_options
 @_prompt_cache_options
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @_placement_options
@@ -345,7 +351,8 @@ def serve(
     kv_budget: str,
     kv_policy: str | None,
     kv_type: str,
-    speculative: str,
+    speculative: str | None,
+    draft_model: str | None,
     prompt_cache: Path | None,
     prompt_cache_size: str,
     threads: int | None,
@@ -395,6 +402,7 @@ def serve(
         kv_policy=kv_policy,
         kv_type=kv_type,
         speculative=speculative,
+        draft=draft_model,
         prompt_cache=prompt_cache,
         prompt_cache_size=prompt_cache_size,
         threads=threads,
@@ -619,7 +627,7 @@ def calibrate(
     type=click.Choice(POLICIES),
     help="What to do when the KV cache fills (default: sinks; error for a model whose cache cannot drop tokens).",
 )
-@_speculative_option
+@_speculative_options
 @click.option("--threads", type=int, help="CPU threads for the model (default: the free cores but one, for the UI).")
 @_placement_options
 @_user_errors
@@ -634,7 +642,8 @@ def chat(
     max_tokens: int,
     kv_budget: str,
     kv_policy: str | None,
-    speculative: str,
+    speculative: str | None,
+    draft_model: str | None,
     threads: int | None,
     device: str,
     gpu_layers: int,
@@ -655,6 +664,7 @@ def chat(
         kv_budget=kv_budget,
         kv_policy=kv_policy,
         speculative=speculative,
+        draft_model=draft_model,
         threads=threads,
         device=device,
         gpu_layers=gpu_layers,

@@ -34,6 +34,7 @@ from edgeinfer.backends.base import (
     check_options,
 )
 from edgeinfer.chat import CHATML_MARKER, MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
+from edgeinfer.draft_model import DraftModel, ModelDrafts
 from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
 from edgeinfer.kv import DEFAULT_KV_BUDGET, DEFAULT_PROMPT_CACHE_SIZE, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.logits import confidence, token_logprobs
@@ -81,9 +82,13 @@ class Engine:
             recomputing it), and how many answers ``generate_batch`` decodes together.
         device: where the backend runs (``"cpu"``, or a GPU its ``devices()`` lists).
         gpu_layers: layers placed on ``device`` when it is a GPU (-1, the default: all).
-        speculative: ``"lookup"`` drafts tokens from the prompt and the answer so far and verifies them
-            in one evaluation (``edgeinfer.speculative``), where that pays at the acceptance seen; ``"off"``
-            decodes one token per step. Off (and ``speculative`` says so) on a model whose cache cannot be truncated.
+        speculative: ``"lookup"`` (the default without ``draft``) drafts tokens from the prompt and the answer
+            so far and verifies them in one evaluation (``edgeinfer.speculative``), where that pays at the
+            acceptance seen; ``"draft"`` (the default with ``draft``) drafts them with the ``draft`` model;
+            ``"off"`` decodes one token per step. Off (and ``speculative`` says so) on a model whose cache
+            cannot be truncated.
+        draft: a smaller model with the same vocabulary (a .gguf path or an alias) to draft with. It runs on
+            a backend of its own, with a KV cache of the same ``kv_budget``.
         prompt_cache: a folder to keep the KV state of each chat's system prompt in (``edgeinfer.prompt_cache``):
             the next engine, in this process or another, reads it from there instead of evaluating it. Its
             whole chunks of ``batch_size`` tokens are kept; the backend must save states (llama.cpp's do).
@@ -100,8 +105,9 @@ class Engine:
     prompt position in the same aligned chunk as a cold run would, and reuses only cached
     positions that were computed that way (whole prompt chunks, not generated tokens and not
     positions after an eviction), or the whole of the last prompt prefilled, with its saved
-    last logits, when it is asked again. The same prompt, options, thread count and llama.cpp build
-    give the same logits cold, after another call, after a chat turn and after ``reset()``.
+    last logits, when it is asked again. The same prompt, options, thread count, llama.cpp build and
+    drafting figure (``draft_token_cost``) give the same logits cold, after another call, after a chat
+    turn and after ``reset()``.
     Another thread count or another build may still round differently, and so may a conversation
     that shares a cached one's prefix, whose cells llama.cpp places after the other's; a prompt that
     shares nothing reusable empties the pool first, and ``sequences=1`` rules the case out.
@@ -120,13 +126,19 @@ class Engine:
         sequences: int = DEFAULT_SEQUENCES,
         device: str = CPU,
         gpu_layers: int = -1,
-        speculative: str | Speculation = Speculation.LOOKUP,
+        speculative: str | Speculation | None = None,
+        draft: str | os.PathLike[str] | None = None,
         prompt_cache: str | os.PathLike[str] | None = None,
         prompt_cache_size: str | int = DEFAULT_PROMPT_CACHE_SIZE,
         force: bool = False,
     ) -> None:
         self.kv_budget = KVBudget.parse(kv_budget)
-        self.speculative = Speculation.parse(speculative)
+        self.speculative = Speculation.parse(speculative or (Speculation.DRAFT if draft else Speculation.LOOKUP))
+        if (self.speculative is Speculation.DRAFT) != (draft is not None):
+            raise InvalidOptionError(
+                "--speculative draft needs a draft model (--draft-model, Engine(draft=...)); a draft model needs "
+                "--speculative draft"
+            )
         self.kv_policy = KVPolicy.parse(kv_policy or "sinks")
         for name, value in (("batch_size", batch_size), ("sequences", sequences)):
             if value < 1:
@@ -160,9 +172,13 @@ class Engine:
                 f"a KV budget of {options.kv_tokens} tokens is too small; give at least {MIN_KV_TOKENS}"
             )
         check_memory(backend_cls.memory(self.info, options), force=force)
-
         self.batch_size = batch_size
         self.kv_type = kv_type
+        self._prompt_cache: PromptCache | None = None  # a folder that cannot be used is refused before the load
+        if prompt_cache is not None:
+            cache_bytes = parse_size(prompt_cache_size, "prompt_cache_size")
+            identity = self._state_identity(backend_cls.name, options)
+            self._prompt_cache = PromptCache(prompt_cache, identity, cache_bytes)
         self.backend: Backend = backend_cls(self.info, options)
         try:
             # After the backend: llama.cpp's tokenizer shares the model the llama.cpp backend loaded.
@@ -176,6 +192,15 @@ class Engine:
         except BaseException:
             self.backend.close()
             raise
+        self._draft_model: DraftModel | None = None
+        self._draft_share = 0.0  # a draft model's step, as a share of this model's (by their files' sizes)
+        if draft is not None:
+            try:
+                self._draft_model, self._draft_share = self._load_draft(draft, backend_cls, options, force)
+            except BaseException:
+                self.tokenizer.close()
+                self.backend.close()
+                raise
         # What a drafted token costs depends on the model's kernels on this CPU, on the device and the threads.
         st = self.model_path.stat()
         self._draft_cost = DraftCost(
@@ -209,29 +234,57 @@ class Engine:
                 )
             log.warning("%s: a full cache ends the answer (KV policy error)", reason)
             self.kv_policy = KVPolicy("error")
-        self._prompt_cache: PromptCache | None = None
-        if prompt_cache is not None:
-            cache_bytes = parse_size(prompt_cache_size, "prompt_cache_size")
-            if self.backend.save_state(0) is None:
-                log.warning("the %s backend cannot save its KV state: the prompt cache is skipped", self.backend.name)
-            else:
-                self._prompt_cache = PromptCache(prompt_cache, self._state_identity(options), cache_bytes)
+        if self._prompt_cache is not None and self.backend.save_state(0) is None:
+            log.warning("the %s backend cannot save its KV state: the prompt cache is skipped", self.backend.name)
+            self._prompt_cache = None
         if self.speculative is not Speculation.OFF and not self.backend.can_truncate:
             # Rejected drafts are truncated: a cache that cannot truncate (a recurrent state) cannot take them back.
             log.info("%s's cache cannot take back rejected drafts: one token a step (speculative off)", self.info.name)
             self.speculative = Speculation.OFF
 
-    def _state_identity(self, options: BackendOptions) -> str:
+    def _load_draft(
+        self, draft: str | os.PathLike[str], backend_cls: type[Backend], options: BackendOptions, force: bool
+    ) -> tuple[DraftModel, float]:
+        """The draft model on a backend of its own, with a cache of the same budget; refused, in one line, where
+        its vocabulary is not this model's."""
+        path = resolve_model(draft)
+        info = load_model_info(path)
+        vocabulary = Tokenizer(path)
+        try:
+            mine, theirs = self.tokenizer, vocabulary
+            differs = mine.n_vocab != theirs.n_vocab or any(
+                mine.piece(t) != theirs.piece(t) for t in range(mine.n_vocab)
+            )
+        finally:
+            vocabulary.close()
+        if differs:
+            raise InvalidOptionError(
+                f"the draft model {path.name} has another vocabulary than {self.model_path.name} "
+                f"({vocabulary.n_vocab} tokens against {self.tokenizer.n_vocab}, or other tokens); drafts must be "
+                "token ids of the same vocabulary: give a draft model of the same family"
+            )
+        cells = min(
+            self.kv_budget.capacity(backend_cls.kv_bytes_per_token(info, options.kv_type), backend_cls.kv_block),
+            info.hparams.n_ctx_train,
+        )
+        draft_options = dataclasses.replace(options, kv_tokens=cells)
+        check_memory(backend_cls.memory(info, draft_options), force=force)
+        backend = backend_cls(info, draft_options)
+        return DraftModel(backend, min(cells, backend.capacity)), info.file_size / self.info.file_size
+
+    def _state_identity(self, backend_name: str, options: BackendOptions) -> str:
         """What decides the KV state a prompt leaves: the model file, the backend and its build, its device, the
         KV type, and the chunks prompts are evaluated in."""
         st = self.model_path.stat()
-        try:
-            build = importlib.metadata.version("llama-cpp-python")
-        except importlib.metadata.PackageNotFoundError:
-            build = "none"
+        builds = []
+        for package in ("edgeinfer", "llama-cpp-python"):
+            try:
+                builds.append(f"{package} {importlib.metadata.version(package)}")
+            except importlib.metadata.PackageNotFoundError:
+                builds.append(f"{package} none")
         return (
-            f"{self.model_path.name}:{st.st_size}:{st.st_mtime_ns}/{self.backend.name}/{options.device}/"
-            f"{self.kv_type}/{self.batch_size}/llama-cpp-python {build}"
+            f"{self.model_path.name}:{st.st_size}:{st.st_mtime_ns}/{backend_name}/{options.device}:"
+            f"{options.gpu_layers}/{options.threads}t/{self.kv_type}/{self.batch_size}/{', '.join(builds)}"
         )
 
     def _unshiftable_why(self) -> str:
@@ -478,6 +531,8 @@ class Engine:
             for job in waiting:
                 self._fail_job(job, _closed_error())
             self._draft_cost.save()
+            if self._draft_model is not None:
+                self._draft_model.close()
             self.backend.close()
             self.tokenizer.close()
 
@@ -717,15 +772,15 @@ class Engine:
         if self._prompt_cache is None or job.cached >= prefix:
             return 0
         tokens = job.prompt[:prefix]
-        state = self._prompt_cache.load(tokens) if self._cache.has_room(prefix) else None
+        # Into an empty sequence only: cells it shares with another would not be freed for the state's.
+        state = self._prompt_cache.load(tokens) if job.cached == 0 and self._cache.has_room(prefix) else None
         if state is not None and self._cache.restore(seq, tokens, state):
             job.cached = prefix
             for generation in job.wave:
                 generation.metrics.prompt_cache, generation.metrics.disk_cached_tokens = "hit", prefix
             return 0
-        if state is not None:
-            self._prompt_cache.discard(tokens, "was refused by the backend")
-            job.cached = 0  # the refused load left the sequence empty
+        if state is not None:  # llama.cpp found no run of free cells for it, or cannot read it: saved again below
+            log.warning("prompt cache: the state of this prompt could not be loaded; evaluating it")
         for generation in job.wave:
             generation.metrics.prompt_cache = "saved"
         return prefix
@@ -770,8 +825,10 @@ class Engine:
             m = generation.metrics
             m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = n, job.prompt_cut, job.cached, job.prefill_s
             generation.start(other, logits, self._cache.sequences[other], self.model_path.name, self.capacity - n)
-            if self.speculative is Speculation.LOOKUP and logits is not None:
-                generation.lookup = PromptLookup(job.prompt)
+            if logits is not None and self.speculative is Speculation.LOOKUP:
+                generation.drafts = PromptLookup(job.prompt)
+            elif logits is not None and self.speculative is Speculation.DRAFT and self._draft_model is not None:
+                generation.drafts = ModelDrafts(self._draft_model, other, job.prompt)
 
     def _decode_step(self, decoding: list[_Generation]) -> None:
         """Evaluate the token each answer drew last step, all in one call; then draw each one's next token."""
@@ -811,6 +868,9 @@ class Engine:
                 ended.append(job)
                 continue
             if generation.logits is None or job.cancel.is_set():
+                if generation.draft:  # evaluated, never verified: the cache keeps none of it
+                    self._cache.rollback(generation.seq, len(generation.state.tokens) - len(generation.draft))
+                    generation.draft = ()
                 generation.finish_reason = "cancelled"
                 ended.append(job)
                 continue
@@ -837,14 +897,15 @@ class Engine:
         drafts: list[tuple[int, ...]] = []
         for generation in stepping:
             draft: tuple[int, ...] = ()
-            if generation.lookup is not None:
+            if generation.drafts is not None:
                 # The drawn token is its answer's; each kept draft token draws one more, so the last to verify
                 # is the one before max_tokens.
-                room = min(generation.params.max_tokens - len(generation.output) - 1, MAX_DRAFT)
-                offered = generation.lookup.draft(room) if room > 0 else []
-                draft = tuple(offered[: generation.control.length(len(offered), self._draft_cost.value)])
+                room = max(0, min(generation.params.max_tokens - len(generation.output) - 1, MAX_DRAFT))
+                # A draft model's tokens cost its steps too, besides their share of the verifying step.
+                cost = self._draft_cost.value + self._draft_share
+                draft = tuple(generation.drafts.draft(generation.control.length(room, cost)))
                 if not draft:
-                    generation.control.skipped(self._draft_cost.value)
+                    generation.control.skipped(cost)
             drafts.append(draft)
         extra = sum(map(len, drafts))
         if extra and not self._cache.has_room(len(stepping) + extra):
@@ -1070,7 +1131,7 @@ class _Generation:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.token: int | None = None  # drawn, not yet evaluated
-        self.lookup: PromptLookup | None = None  # drafts its next tokens, where the engine drafts
+        self.drafts: PromptLookup | ModelDrafts | None = None  # drafts its next tokens, where the engine drafts
         self.control = DraftControl()
         self.draft: tuple[int, ...] = ()  # drafted tokens evaluated after ``token`` in the last step
         self.kept = 0  # positions its sequence keeps once the last step's draft is verified
@@ -1148,8 +1209,8 @@ class _Generation:
             self.finish_reason = "stop"
             return token
         self.output.append(token)
-        if self.lookup is not None:
-            self.lookup.extend((token,))
+        if self.drafts is not None:
+            self.drafts.extend((token,))
         m.token_times_s.append(t_sampled - start)
         if params.logprobs:
             self.logprobs.append(logprob)

@@ -20,7 +20,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +36,10 @@ log = logging.getLogger("edgeinfer")
 MAGIC = b"EDGEINFER-KV\x01"
 SUFFIX = ".kv"
 _LENGTH = struct.Struct("<I")
+# The files this cache writes, and the half-written ones atomic_path names; nothing else in the folder is touched.
+_NAME = re.compile(r"[0-9a-f]{40}\.kv")
+_HALF_WRITTEN = re.compile(r"\.[0-9a-f]{40}\.kv\.\d+\.[0-9a-f]+\.tmp")
+_STALE_TMP_S = 3600  # a half-written file this old was left by a process that died writing it
 
 
 class PromptCache:
@@ -78,6 +84,13 @@ class PromptCache:
 
     def save(self, tokens: Sequence[int], state: bytes) -> None:
         """Keep ``state`` as the prefix ``tokens``'s, then trim the folder to ``max_bytes``."""
+        if len(state) > self.max_bytes:
+            log.warning(
+                "prompt cache: the prompt's state (%d bytes) is larger than the cache's cap (%d); it is not kept",
+                len(state),
+                self.max_bytes,
+            )
+            return
         header = json.dumps(
             {"identity": self.identity, "tokens": len(tokens), "sha256": hashlib.sha256(state).hexdigest()}
         ).encode()
@@ -96,7 +109,8 @@ class PromptCache:
         """Remove the prefix ``tokens``'s file, which is ``problem``, saying so in one line."""
         path = self.path(tokens)
         log.warning("prompt cache: %s %s; ignored, and the prompt evaluated and saved again", path.name, problem)
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder: the file stays, and is ignored each time
+            path.unlink(missing_ok=True)
 
     def _parse(self, raw: bytes, tokens: Sequence[int]) -> tuple[bytes, None] | tuple[None, str]:
         """The state in a file's bytes, or what is wrong with them."""
@@ -108,6 +122,8 @@ class PromptCache:
             header = json.loads(raw[start : start + header_size])
             identity, count, digest = header["identity"], header["tokens"], header["sha256"]
         except (ValueError, KeyError, TypeError):
+            return None, "has a damaged header"
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             return None, "has a damaged header"
         if identity != self.identity:
             return None, "was saved by another model, backend, KV type or build"
@@ -123,15 +139,20 @@ class PromptCache:
     def _trim(self, keep: Path) -> None:
         """Remove the least recently used files until the folder holds ``max_bytes`` at most (``keep`` last)."""
         files = []
-        for path in self.folder.glob(f"*{SUFFIX}"):
+        for path in self.folder.iterdir():
             try:
                 st = path.stat()
             except OSError:
                 continue
-            files.append((path != keep, st.st_mtime_ns, st.st_size, path))
+            if _HALF_WRITTEN.fullmatch(path.name) and time.time() - st.st_mtime > _STALE_TMP_S:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            elif _NAME.fullmatch(path.name) and path.is_file():
+                files.append((path != keep, st.st_mtime_ns, st.st_size, path))
         total = sum(size for _, _, size, _ in files)
         for _, _, size, path in sorted(files, key=lambda f: (not f[0], f[1])):
             if total <= self.max_bytes:
                 break
-            path.unlink(missing_ok=True)
-            total -= size
+            with contextlib.suppress(OSError):
+                path.unlink()
+                total -= size

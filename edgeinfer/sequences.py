@@ -41,7 +41,7 @@ class CachedSequence:
 
     def reusable(self, tokens: Sequence[int], limit: int, batch_size: int) -> int:
         """How much of ``tokens`` (at most ``limit``) this sequence can serve as a cold run would compute it."""
-        common = _common_prefix(self.tokens, tokens)
+        common = common_prefix(self.tokens, tokens)
         return min(common, limit, self.exact) // batch_size * batch_size
 
 
@@ -172,7 +172,7 @@ class SequenceCache:
         return self.sequences[seq].used_at
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

@@ -47,9 +47,11 @@ RECOVERY_TOKENS = 64
 
 
 class Speculation(enum.Enum):
-    """Whether answers are drafted ahead: ``lookup`` (from the prompt and the answer so far) or ``off``."""
+    """Whether answers are drafted ahead: ``lookup`` (from the prompt and the answer so far), ``draft`` (by a
+    smaller model with the same vocabulary, ``Engine(draft=...)``) or ``off``."""
 
     LOOKUP = "lookup"
+    DRAFT = "draft"
     OFF = "off"
 
     @classmethod

@@ -94,7 +94,8 @@ def free_cores(sample_s: float = 0.1) -> int:
     """
     global _last_times
     start = _last_times
-    if not MIN_WINDOW_S <= time.monotonic() - start.at <= MAX_WINDOW_S:
+    fresh = len(start.busy) == len(psutil.cpu_times(percpu=True))  # a core brought up or down since: start over
+    if not fresh or not MIN_WINDOW_S <= time.monotonic() - start.at <= MAX_WINDOW_S:
         start = _CpuTimes.now()
         time.sleep(sample_s)
     end = _last_times = _CpuTimes.now()

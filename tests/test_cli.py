@@ -50,7 +50,8 @@ def test_run_json_and_stats(runner):
 
 
 @pytest.mark.parametrize("mode", ["lookup", "off"])
-def test_run_speculative_shows_the_drafts(runner, mode):
+def test_run_speculative_shows_the_drafts(runner, mode, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))  # no drafting cost measured yet: the prior drafts
     count = "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n1 2 3"
     args = ["run", count, "--raw", "--temperature", "0", "--max-tokens", "16", "--threads", "2", "--json", "--stats"]
     result = runner.invoke(cli, [*args, "--speculative", mode])

@@ -252,28 +252,38 @@ def test_sinks_keep_the_first_tokens_and_shift_does_not(small_engines):
         assert (engine.cached_tokens[:4] == head) is keeps_start
 
 
-def test_sinks_cache_predicts_like_a_fresh_prefill_of_what_it_kept(small_engines, model_path):
+PROBE_TEXT = " and then the story went on to tell of the people who lived there, of the work they did, and of the land."
+
+
+@pytest.mark.parametrize("policy", ["sinks", "shift"])
+def test_sinks_cache_predicts_like_a_fresh_prefill_of_what_it_kept(small_engines, model_path, policy):
     # StreamingLLM's claim, and a check that evict() shifted positions and re-rotated keys:
     # with the sinks kept, the evicted cache predicts almost as a fresh prefill of the kept
     # tokens does. (Kept entries still carry some context from evicted ones, so not exactly;
-    # without sinks, as under `shift` with no BOS, the two diverge.)
-    engine = small_engines["sinks"]
+    # without sinks, as under `shift` with no BOS, the two diverge.) Measured over every position of a
+    # probe sentence, not one: one position's top-1 can be a near tie (seeds 5-9: sinks agree on 89% of 28
+    # positions, mean KLD 0.010-0.044; shift 50-71%, mean KLD 0.59-1.41).
+    engine = small_engines[policy]
     engine.reset()
     engine.generate("In the beginning", max_tokens=700, ignore_eos=True, seed=5)
     kept = engine.cached_tokens
-    probe = engine.tokenizer.encode(" and", add_special=False)
-    shifted = evaluate(engine.backend, probe, len(kept), seq=active_sequence(engine)).astype(np.float64)
+    probe = engine.tokenizer.encode(PROBE_TEXT, add_special=False)
+    shifted = evaluate(engine.backend, probe, len(kept), seq=active_sequence(engine), all_logits=True)
     engine.reset()
     with Engine(model_path, kv_budget="1024tok", threads=2) as fresh:
-        reference = evaluate(fresh.backend, kept + probe, 0).astype(np.float64)
-    p, q = _softmax(shifted), _softmax(reference)
-    assert int(shifted.argmax()) == int(reference.argmax())
-    assert float(np.sum(q * np.log(q / p))) < 0.1
+        reference = evaluate(fresh.backend, kept + probe, 0, all_logits=True)[-len(probe) :]
+    p, q = _softmax(shifted.astype(np.float64)), _softmax(reference.astype(np.float64))
+    agreement = float(np.mean(shifted.argmax(-1) == reference.argmax(-1)))
+    kld = float(np.mean(np.sum(q * np.log(q / p), axis=-1)))
+    if policy == "sinks":
+        assert agreement >= 0.75 and kld < 0.1
+    else:
+        assert agreement < 0.85 and kld > 0.3
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def test_error_policy_raises_context_full_with_the_budget_and_options(small_engines):

@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "the engine: tokenizer, sequences, streams, the decode loop, evaluation",
         (
             "edgeinfer.tokenizer", "edgeinfer.vocabulary", "edgeinfer.sequences", "edgeinfer.speculative",
-            "edgeinfer.prompt_cache",
+            "edgeinfer.prompt_cache", "edgeinfer.draft_model",
             "edgeinfer.streams", "edgeinfer.engine", "edgeinfer.evaluate",
         ),
     ),

@@ -95,3 +95,21 @@ def test_run_prompt_cache_says_whether_it_hit(tmp_path):
     assert cold.exit_code == 0 and warm.exit_code == 0, cold.output + warm.output
     assert "prompt cache: saved" in cold.stderr and "prompt cache: hit: " in warm.stderr
     assert cold.stdout == warm.stdout
+
+
+def test_the_folder_holds_only_what_checks_out_and_touches_nothing_else(tmp_path):
+    from edgeinfer.prompt_cache import PromptCache
+
+    cache = PromptCache(tmp_path, "model A", max_bytes=1000)
+    (tmp_path / "notes.kv").write_bytes(b"x" * 5000)  # not one of its files: never counted or removed
+    cache.save([1, 2, 3], b"s" * 400)
+    cache.save([4, 5, 6], b"t" * 400)  # over the cap with both: the older goes
+    assert cache.load([1, 2, 3]) is None and cache.load([4, 5, 6]) == b"t" * 400
+    assert (tmp_path / "notes.kv").exists()
+    cache.save([7], b"u" * 2000)  # larger than the cap alone: not written
+    assert cache.load([7]) is None and cache.load([4, 5, 6]) == b"t" * 400
+    path = cache.path([4, 5, 6])
+    raw = path.read_bytes().replace(b'"tokens": 3', b'"tokens": "3"')
+    path.write_bytes(raw)
+    assert cache.load([4, 5, 6]) is None and not path.exists()  # a damaged header: ignored, removed
+    assert PromptCache(tmp_path, "model B", 1000).load([1, 2, 3]) is None  # another identity: another name

@@ -286,21 +286,21 @@ def test_a_wrong_or_missing_key_is_401_and_the_key_is_never_echoed(server):
 
 
 def test_a_small_budget_refuses_a_long_prompt_and_a_full_queue_is_429(model_path):
-    with serving("--parallel", "1", "--max-queue", "1", "--kv-budget", "256tok", "--kv-policy", "error") as small:
+    with serving("--parallel", "1", "--max-queue", "1", "--kv-budget", "512tok", "--kv-policy", "error") as small:
         client = small.client()
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(
-                model="any", messages=[{"role": "user", "content": "word " * 400}], max_tokens=4
+                model="any", messages=[{"role": "user", "content": "word " * 700}], max_tokens=4
             )
-        assert caught.value.code == "context_length_exceeded" and "256 tokens" in caught.value.message
+        assert caught.value.code == "context_length_exceeded" and "512 tokens" in caught.value.message
 
-        # One running and one queued fill the server.
+        # One running and one queued fill the server. Each answer is long enough (200 tokens, seconds) that
+        # the second is still queued when the third asks; the state is polled for, not slept for.
         workers = []
-        for _ in range(2):
+        for busy in ({"status": "busy", "running": 1, "queued": 0}, {"status": "busy", "running": 1, "queued": 1}):
             workers.append(threading.Thread(target=_ask_long, args=(client,)))
             workers[-1].start()
-            time.sleep(0.5)
-        assert httpx.get(f"{small.base}/health").json() == {"status": "busy", "running": 1, "queued": 1}
+            assert _health_becomes(small, busy) == busy
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="any", messages=JAPAN, max_tokens=4)
         assert int(refused.value.response.headers["Retry-After"]) >= 1
@@ -310,10 +310,18 @@ def test_a_small_budget_refuses_a_long_prompt_and_a_full_queue_is_429(model_path
         assert small.metric("edgeinfer_requests_total") >= 4
 
 
+def _health_becomes(served: Served, wanted: dict[str, object], timeout: float = 30) -> dict[str, object]:
+    """/health's answer once it is ``wanted``, or its last answer after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (health := httpx.get(f"{served.base}/health").json()) != wanted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return health
+
+
 def _ask_long(client: openai.OpenAI) -> None:
     with contextlib.suppress(openai.APIError):
         client.chat.completions.create(
-            model="any", messages=LONG_STORY, max_tokens=100, extra_body={"ignore_eos": True}
+            model="any", messages=LONG_STORY, max_tokens=200, extra_body={"ignore_eos": True}
         )
 
 

@@ -88,8 +88,21 @@ def test_the_measured_draft_cost_is_kept_for_the_next_engine(tmp_path, monkeypat
 
 
 def test_an_unknown_mode_is_one_line_naming_the_choices():
-    with pytest.raises(InvalidOptionError, match="unknown speculative mode 'fast'; choose one of lookup, off"):
+    with pytest.raises(InvalidOptionError, match="unknown speculative mode 'fast'; choose one of lookup, draft, off"):
         Speculation.parse("fast")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path, tmp_path_factory):
+    """An engine that drafts by the prior figure (DRAFT_TOKEN_COST). One made after others had measured this
+    machine's drafting cost would start from theirs, and where a drafted token costs nearly a whole step (0.94
+    for this file on an AMD EPYC with AVX-512) it would hardly draft at all."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGEINFER_CACHE_DIR", str(tmp_path_factory.mktemp("no-draft-cost")))
+        drafting = Engine(model_path, kv_budget="2048tok", threads=2)
+    with drafting:
+        assert drafting.draft_token_cost == DRAFT_TOKEN_COST
+        yield drafting
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +138,23 @@ def test_answers_decoded_together_draft_and_keep_their_own_tokens(engine, withou
     assert all(a.metrics.accepted_tokens for a in answers)
 
 
+def test_a_call_cancelled_mid_draft_leaves_no_unverified_tokens_in_the_cache(model_path, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))  # no drafting cost measured: the prior drafts
+    with Engine(model_path, kv_budget="1024tok", threads=2) as engine:
+        with engine.stream(COUNT, temperature=0, max_tokens=40, ignore_eos=True) as stream:
+            for _ in range(4):
+                next(stream)
+            stream.cancel()
+            list(stream)
+        result = stream.result
+        assert result.finish_reason == "cancelled" and result.metrics.drafted_tokens
+        seq = active_sequence(engine)
+        held = engine._cache.sequences[seq].tokens
+        assert held == engine.tokenize(COUNT) + list(result.tokens[: len(held) - len(engine.tokenize(COUNT))])
+        assert len(held) <= len(engine.tokenize(COUNT)) + len(result.tokens)
+        assert engine.backend._lengths[seq] == len(held)
+
+
 # Each arm samples this many answers; a draft-acceptance rule that favoured drafted tokens would shift the
 # commonest answers' shares by far more than the test's tolerance.
 SAMPLES = 240
@@ -157,3 +187,61 @@ def test_sampled_answers_follow_the_same_distribution_with_drafts_as_without(eng
     z = 3.09
     limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
     assert chi2 < limit, (chi2, limit, counts)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny target model and a far smaller draft for it: random weights, one byte-level BPE vocabulary."""
+    from tiny_model import write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("draft-pair")
+    target = write_tiny_gguf(folder / "target.gguf", seed=0, n_layer=4, n_embd=256, n_head=4, n_ff=512)
+    draft = write_tiny_gguf(folder / "draft.gguf", seed=1, n_layer=1, n_embd=64, n_ff=128)
+    return target, draft
+
+
+PROMPT = "the cat sat on the mat"
+GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+
+
+def test_a_draft_model_drafts_and_the_greedy_answer_is_unchanged(tiny_pair):
+    target, draft = tiny_pair
+    with Engine(target, threads=2, kv_budget="512tok", speculative="off") as plain:
+        alone = plain.generate(PROMPT, **GREEDY)
+        assert greedy_margins(plain, PROMPT, alone).min() > 0.01  # F32 rounds by far less than this
+    with Engine(target, threads=2, kv_budget="512tok", draft=draft) as engine:
+        assert engine.speculative is Speculation.DRAFT
+        drafted = engine.generate(PROMPT, **GREEDY)
+        assert len(engine.generate(PROMPT + " and", **GREEDY).tokens) == 24  # the draft follows another prompt
+    assert drafted.tokens == alone.tokens and drafted.metrics.drafted_tokens > 0
+
+
+def test_the_draft_model_follows_each_answer_and_keeps_its_kept_drafts(tiny_pair):
+    from edgeinfer.draft_model import DraftModel
+
+    target, _ = tiny_pair
+    with Engine(target, threads=2, kv_budget="512tok", speculative="off") as plain:
+        greedy = list(plain.generate(PROMPT, **GREEDY).tokens)
+        prompt = plain.tokenize(PROMPT)
+        # The target drafting for itself: its drafts are its own greedy tokens.
+        model = DraftModel(plain.backend, plain.capacity)
+        plain.reset()
+        assert model.draft(1, [*prompt, greedy[0]], 4) == greedy[1:5]
+        # Two of them kept and another token drawn: the sequence keeps what it shares and drafts on from there.
+        after = [*prompt, *greedy[:3], greedy[3]]
+        assert model.draft(1, after, 3) == greedy[4:7]
+        assert model._held[1][: len(after)] == after
+        assert model.draft(1, [*prompt, 7], 2) == model.draft(1, [*prompt, 7], 2)  # cut back to the prompt
+        assert model.draft(1, prompt, 0) == []
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(tiny_pair, tmp_path):
+    from tiny_model import write_tiny_gguf
+
+    target, _ = tiny_pair
+    other = write_tiny_gguf(tmp_path / "sentencepiece.gguf", tokenizer="llama")
+    with pytest.raises(InvalidOptionError, match="has another vocabulary than target.gguf") as refused:
+        Engine(target, threads=2, kv_budget="512tok", draft=other)
+    assert "same family" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(InvalidOptionError, match="--speculative draft needs a draft model"):
+        Engine(target, threads=2, kv_budget="512tok", speculative="draft")

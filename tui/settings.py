@@ -48,7 +48,8 @@ class ChatSettings:
     max_tokens: int = _SAMPLING.max_tokens
     kv_budget: str = DEFAULT_KV_BUDGET
     kv_policy: str | None = None  # None: the engine's default (sinks, or error where the cache cannot drop tokens)
-    speculative: str = Speculation.LOOKUP.value
+    speculative: str | None = None  # None: lookup, or draft with a draft model
+    draft_model: str | None = None
     route: str = "local"
     cloud_url: str | None = None  # default: $EDGEINFER_CLOUD_URL
     cloud_model: str | None = None  # default: $EDGEINFER_CLOUD_MODEL
@@ -63,7 +64,8 @@ class ChatSettings:
         if self.kv_policy is not None:
             KVPolicy.parse(self.kv_policy)
         KVBudget.parse(self.kv_budget)
-        Speculation.parse(self.speculative)
+        if self.speculative is not None:
+            Speculation.parse(self.speculative)
         if self.threads is not None:
             thread_count(self.threads)  # refuses a count below 1
 
@@ -89,6 +91,7 @@ def open_chat(settings: ChatSettings) -> tuple[Engine, ChatModel]:
         kv_budget=settings.kv_budget,
         kv_policy=settings.kv_policy,
         speculative=settings.speculative,
+        draft=settings.draft_model,
         # The UI renders while the model decodes; without a core of its own it preempts one of
         # llama.cpp's spinning threads and every token waits (tenfold slower on 2 busy cores).
         threads=thread_count(settings.threads, spare=1),

@@ -86,6 +86,8 @@ class StatusBar(Vertical):
         self.show()
 
     def show(self) -> None:
+        if not self.app.is_running:  # shutting down: a timer's last tick may find the children removed
+            return
         s = self.stats
         route = f"{s.route} ({s.reason})" if s.reason else s.route
         self.query_one("#identity", Static).update(f"{s.model} · {s.backend} · route {route} · {s.state}")
