@@ -15,6 +15,8 @@ are done), for a progress bar or log lines. ``log`` gets the notes a user should
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,8 +30,10 @@ from edgeinfer.converters.calibrate import Calibration, calibrate, column_import
 from edgeinfer.converters.checkpoint import Checkpoint
 from edgeinfer.converters.output import check_output, output_path, scratch_folder, sweep
 from edgeinfer.converters.plan import (
+    QUALITY_INSISTS,
     UNIFORM_TYPES,
     Choice,
+    SpeedTrade,
     budgeted,
     candidate_types,
     check_fits,
@@ -41,6 +45,7 @@ from edgeinfer.converters.plan import (
 )
 from edgeinfer.converters.quantize import block_size, quantize
 from edgeinfer.converters.rows import TOKEN_EMBD, gather_rows
+from edgeinfer.converters.type_speed import TypeSpeed, measure_type_speeds
 from edgeinfer.converters.vocab import read_vocab
 from edgeinfer.converters.writer import header_bytes, write_gguf, write_vocab_only
 from edgeinfer.errors import ConversionError
@@ -49,7 +54,7 @@ from edgeinfer.system import peak_rss
 
 QType = GGMLQuantizationType
 Sensitivity = Literal["activation", "kld"]
-Stage = Literal["reading", "calibrating", "probing", "measuring", "writing", "evaluating"]
+Stage = Literal["reading", "calibrating", "probing", "timing", "measuring", "writing", "evaluating"]
 CALIB_TOKENS = 4096  # enough for a stable importance matrix; the reference pass costs ~1 s per 300 tokens
 CALIB_CTX = 512
 PROBE_TOKENS = 256  # the tokens each tensor's KL divergence is measured on
@@ -66,6 +71,7 @@ class Step:
     * ``reading``: the checkpoint's tokenizer and the calibration text;
     * ``calibrating``: the calibration text through each layer (with ``calib``);
     * ``probing``: each layer's effect on the output distribution, the head last (``sensitivity="kld"``);
+    * ``timing``: each type a matrix's rows allow, its kernels in llama.cpp here (a budget and ``speed_aware``);
     * ``measuring``: each matrix's error under every type its rows allow (with a budget);
     * ``writing``: each tensor quantized and written;
     * ``evaluating``: perplexity and divergence in llama.cpp (with ``eval_text``).
@@ -101,6 +107,8 @@ class ConversionReport:
     seconds: float
     peak_rss_bytes: int  # the process's peak so far, which includes earlier work in the same process
     evaluation: EvalReport | None = None
+    type_speeds: list[TypeSpeed] | None = None  # the kernels timed for a speed-aware mix
+    speed_trade: SpeedTrade | None = None
 
     @property
     def bits_per_weight(self) -> float:
@@ -125,8 +133,26 @@ class ConversionReport:
             }
             for t in self.tensors
         ]
-        out = {k: v for k, v in asdict(self).items() if k not in ("tensors", "evaluation")}
+        apart = ("tensors", "evaluation", "type_speeds", "speed_trade")
+        out = {k: v for k, v in asdict(self).items() if k not in apart}
         out.update(tensors=tensors, bits_per_weight=self.bits_per_weight, type_mix=self.type_mix())
+        out["type_speeds"] = (
+            None
+            if self.type_speeds is None
+            else {s.qtype.name: {"prefill_tok_s": s.prefill, "decode_tok_s": s.decode} for s in self.type_speeds}
+        )
+        trade = self.speed_trade
+        out["speed_trade"] = (
+            None
+            if trade is None
+            else {
+                "avoided": {t.name: by.name for t, by in trade.avoided.items()},
+                # the error ratio without each; null where the mix had no error to compare with
+                "kept": {t.name: ratio if math.isfinite(ratio) else None for t, ratio in trade.kept.items()},
+                "error_ratio": trade.error_ratio,
+                "prefill_speedup": trade.speedup,
+            }
+        )
         out["evaluation"] = self.evaluation.to_dict() if self.evaluation else None
         return out
 
@@ -152,9 +178,35 @@ class ConversionReport:
             f"took {self.seconds:.1f} s, peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB"
             + (f"; calibrated on {self.calib_tokens} tokens" if self.calib_tokens else ""),
         ]
+        if self.type_speeds is not None:
+            lines += ["", *self._format_speeds()]
         if self.evaluation is not None:
             lines += ["", self.evaluation.format()]
         return "\n".join(lines)
+
+    def _format_speeds(self) -> list[str]:
+        assert self.type_speeds is not None
+        lines = ["llama.cpp here, on a probe of this width (tokens/s):  type  prefill  decode"]
+        lines += [f"  {s.qtype.name:<7} {s.prefill:>8.0f} {s.decode:>7.0f}" for s in self.type_speeds]
+        trade = self.speed_trade
+        if trade is None or not (trade.avoided or trade.kept):
+            return lines + ["no type these matrices can take is slower than one no larger that they can take too"]
+        notes = [
+            f"avoided {t.name} where a faster type no larger fits ({by.name} the fastest)"
+            for t, by in trade.avoided.items()
+        ]
+        notes += [
+            f"kept {t.name}: leaving it out as well, {ratio - 1:+.0%} estimated error"
+            if math.isfinite(ratio)
+            else f"kept {t.name}: leaving it out adds error to a mix that has none"
+            for t, ratio in trade.kept.items()
+        ]
+        return lines + [
+            f"slow kernels: {'; '.join(notes)}",
+            f"the mix written: {trade.error_ratio - 1:+.0%} estimated error and an estimated {trade.speedup:.2f}x the "
+            f"prefill speed of the mix chosen by error alone (a slow type is kept where leaving it out costs more "
+            f"than {QUALITY_INSISTS - 1:.0%})",
+        ]
 
 
 def convert(
@@ -168,6 +220,7 @@ def convert(
     sensitivity: Sensitivity = "kld",
     eval_text: str | Path | None = None,
     pre_tokenizer: str | None = None,
+    speed_aware: bool = True,
     log: Callable[[str], None] = lambda message: None,
     progress: Progress = lambda step: None,
 ) -> ConversionReport:
@@ -176,8 +229,10 @@ def convert(
     Give either ``qtype`` (one of ``UNIFORM_TYPES``; ``f16`` when nothing is given) or a budget:
     ``target_size`` in bytes for the whole file, or ``target_bpw`` bits per weight. A budget
     needs ``calib``, a text file like the model's use. ``eval_text`` measures perplexity and
-    KL divergence against the unquantized model, with llama.cpp. ``log`` is given notes for the
-    user, one line each; ``progress`` a ``Step`` after each unit of work.
+    KL divergence against the unquantized model, with llama.cpp. ``speed_aware`` (with a budget)
+    times each type's llama.cpp kernels here and avoids the slow ones unless quality insists
+    (``plan.budgeted``): turn it off for a file that will run on another kind of CPU. ``log`` is
+    given notes for the user, one line each; ``progress`` a ``Step`` after each unit of work.
     """
     start = perf_counter()
     output = output_path(output)
@@ -223,6 +278,7 @@ def convert(
             )
 
     budget = 0
+    speeds: dict[QType, TypeSpeed] | None = None
     if budget_given:  # an impossible budget is known from the shapes: say so before minutes of calibration
         if target_size is not None:
             budget = target_size - header_bytes(ckpt, vocab, output)
@@ -271,11 +327,22 @@ def convert(
             progress(Step("measuring", len(measured), len(probe_types), "tensor"))
             return errors
 
+        if speed_aware and importlib.util.find_spec("llama_cpp") is None:
+            log("note: llama-cpp-python is not installed, so its kernels cannot be timed: the mix ignores speed")
+        elif speed_aware:
+            types = sorted({t for name in probe_types for t in candidate_types(shapes[name][-1])}, key=int)
+            speeds = measure_type_speeds(
+                types, hp, progress=lambda done, total: progress(Step("timing", done, total, "type"))
+            )
+            untimed = [t.name for t in types if t not in speeds]
+            if untimed:
+                log(f"note: this llama.cpp build could not load {', '.join(untimed)}: the mix weighs them by error")
         progress(Step("measuring", 0, len(probe_types), "tensor"))
-        plan = budgeted(shapes, budget, errors_counted)
+        lookups = frozenset() if hp.tied_embeddings else frozenset({TOKEN_EMBD})
+        plan, trade = budgeted(shapes, budget, errors_counted, speeds, lookups)
     else:
         assert uniform_type is not None
-        plan = uniform(shapes, uniform_type)
+        plan, trade = uniform(shapes, uniform_type), None
 
     written: list[str] = []  # the tensors begun
     values = 0  # the values quantized: what the time taken follows, more than the count of tensors
@@ -305,6 +372,8 @@ def convert(
         sensitivity=sensitivity if budget_given else None,
         seconds=perf_counter() - start,
         peak_rss_bytes=peak_rss(),
+        type_speeds=None if speeds is None else list(speeds.values()),
+        speed_trade=trade,
     )
     if held_out is not None:
         progress(Step("evaluating", 0, 1, "model"))

@@ -10,6 +10,9 @@ model's output KL divergence when that matrix alone is quantized, per unit of th
 The budget is met by Lagrangian relaxation (each tensor minimises ``error + λ · bytes`` for
 the smallest λ that fits), then the bytes left over buy the upgrades with the best error
 saved per byte.
+
+Given each type's measured kernel speed (``type_speed``), the mix is also planned without the types
+that are slow here for their size, and that mix is written unless quality insists (``budgeted``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from edgeinfer.converters.quantize import available, dequantize, quantize, row_type
+from edgeinfer.converters.type_speed import TypeSpeed, slow_types
 from edgeinfer.converters.writer import tensor_bytes
 from edgeinfer.errors import ConversionError
 
@@ -42,6 +46,19 @@ MIX_TYPES = (
 # them. At least MIN_SAMPLE_ROWS rows, so a wide matrix's estimate still spans many rows.
 ERROR_SAMPLE_VALUES = 1 << 19
 MIN_SAMPLE_ROWS = 256
+# A slow type is left out of the mix unless that takes the estimated error past this many times that of the mix
+# chosen by error alone: a quarter more error, for a prefill that can be 2.1-2.8 times as fast (docs/BENCHMARKS.md).
+QUALITY_INSISTS = 1.25
+
+
+@dataclass(frozen=True)
+class SpeedTrade:
+    """What a budgeted mix gave up to avoid the types whose kernels are slow here, and what it won."""
+
+    avoided: dict[QType, QType]  # each slow type left out, and the fastest type no larger that made it slow
+    kept: dict[QType, float]  # each slow type quality kept: the error ratio leaving it out too would have given
+    error_ratio: float  # the estimated error of the mix written, over that of the mix chosen by error alone
+    speedup: float  # the estimated prefill time of the mix chosen by error alone, over that of the mix written
 
 
 @dataclass(frozen=True)
@@ -158,8 +175,17 @@ def budgeted(
     shapes: Mapping[str, tuple[int, ...]],
     budget: int,
     errors_of: Callable[[str, list[QType]], dict[QType, float]],
-) -> dict[str, Choice]:
-    """The least-error mix within ``budget`` tensor bytes; vectors stay F32."""
+    speeds: Mapping[QType, TypeSpeed] | None = None,
+    lookups: frozenset[str] = frozenset(),
+) -> tuple[dict[str, Choice], SpeedTrade | None]:
+    """The least-error mix within ``budget`` tensor bytes; vectors stay F32.
+
+    With ``speeds`` (``type_speed.measure_type_speeds``), each type whose kernels are slow here for its size
+    (``slow_types``), the slowest first, is taken out of the choices of every matrix that is multiplied (not the
+    ``lookups``, read a row a token) and fits the faster type's rows, where the mix planned without it keeps the
+    estimated error within QUALITY_INSISTS times that of the unrestricted mix. The ``SpeedTrade`` says which
+    types were avoided, which quality kept, and what that cost and won.
+    """
     options: dict[str, list[Option]] = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
@@ -168,5 +194,40 @@ def budgeted(
         types = candidate_types(shape[-1])
         errors = errors_of(name, types)
         options[name] = [Option(t, stored_bytes(shape, t), errors[t]) for t in types if math.isfinite(errors[t])]
-    chosen = allocate(options, budget)
-    return {n: Choice(n, shapes[n], o.qtype, o.nbytes, o.error) for n, o in chosen.items()}
+    full = chosen = allocate(options, budget)
+    trade = None
+    if speeds is not None:
+        multiplied = [n for n, shape in shapes.items() if len(shape) == 2 and n not in lookups]
+        offered = {o.qtype for n in multiplied for o in options[n]}
+        slow = {t: [u for u in faster if u in offered] for t, faster in slow_types(speeds).items() if t in offered}
+        slow = {t: faster for t, faster in slow.items() if faster}
+        avoided: dict[QType, QType] = {}
+        kept: dict[QType, float] = {}
+        for t in sorted(slow, key=lambda t: speeds[t].prefill / speeds[slow[t][0]].prefill):
+            trial = {n: _without(opts, t, slow[t]) if n in multiplied else opts for n, opts in options.items()}
+            plan = allocate(trial, budget)
+            ratio = _error_ratio(plan, full)
+            if ratio <= QUALITY_INSISTS:
+                options, chosen, avoided[t] = trial, plan, slow[t][0]
+            else:
+                kept[t] = ratio
+
+        def prefill_seconds(plan: Mapping[str, Option]) -> float:  # per token: the timed types' matrices alone
+            timed = [n for n in multiplied if plan[n].qtype in speeds]
+            return sum(float(np.prod(shapes[n])) / speeds[plan[n].qtype].prefill_params_per_s for n in timed)
+
+        before, after = prefill_seconds(full), prefill_seconds(chosen)
+        trade = SpeedTrade(avoided, kept, _error_ratio(chosen, full), before / after if after > 0 else 1.0)
+    return {n: Choice(n, shapes[n], o.qtype, o.nbytes, o.error) for n, o in chosen.items()}, trade
+
+
+def _without(options: list[Option], slow: QType, faster: list[QType]) -> list[Option]:
+    """``options`` less the ``slow`` type, where one of the ``faster`` types is among them."""
+    return [o for o in options if o.qtype != slow] if any(o.qtype in faster for o in options) else options
+
+
+def _error_ratio(plan: Mapping[str, Option], full: Mapping[str, Option]) -> float:
+    error, full_error = (sum(o.error for o in p.values()) for p in (plan, full))
+    if full_error == 0:  # a mix without error (weights a type holds exactly): any error at all is too much
+        return 1.0 if error == 0 else math.inf
+    return error / full_error

@@ -1023,6 +1023,13 @@ def _clock(seconds: float) -> str:
     show_default=True,
     help="kld: each tensor's measured effect on the output (better); activation: importance-weighted error (faster).",
 )
+@click.option(
+    "--speed-aware/--no-speed-aware",
+    default=True,
+    show_default=True,
+    help="With a budget: time each type's llama.cpp kernels here and avoid slow ones unless quality insists "
+    "(turn off for a file that will run on another kind of CPU).",
+)
 @click.option("--eval", "eval_text", type=click.Path(dir_okay=False), help="Held-out text: perplexity and KLD.")
 @click.option("--pre-tokenizer", help="llama.cpp pre-tokenizer name, where it cannot be identified.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
@@ -1035,6 +1042,7 @@ def convert(
     target_bpw: float | None,
     calib: str | None,
     sensitivity: str,
+    speed_aware: bool,
     eval_text: str | None,
     pre_tokenizer: str | None,
     as_json: bool,
@@ -1055,6 +1063,7 @@ def convert(
                 target_bpw=target_bpw,
                 calib=calib,
                 sensitivity="activation" if sensitivity == "activation" else "kld",
+                speed_aware=speed_aware,
                 eval_text=eval_text,
                 pre_tokenizer=pre_tokenizer,
                 log=display.note,

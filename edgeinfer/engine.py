@@ -241,12 +241,15 @@ class Engine:
             # Rejected drafts are truncated: a cache that cannot truncate (a recurrent state) cannot take them back.
             log.info("%s's cache cannot take back rejected drafts: one token a step (speculative off)", self.info.name)
             self.speculative = Speculation.OFF
+            if self._draft_model is not None:
+                self._draft_model.close()
+                self._draft_model = None
 
     def _load_draft(
         self, draft: str | os.PathLike[str], backend_cls: type[Backend], options: BackendOptions, force: bool
     ) -> tuple[DraftModel, float]:
-        """The draft model on a backend of its own, with a cache of the same budget; refused, in one line, where
-        its vocabulary is not this model's."""
+        """The draft model on a backend of its own, with a cache of the same budget (memory checked for it too);
+        refused, in one line, where its vocabulary is not this model's or its cache cannot be truncated."""
         path = resolve_model(draft)
         info = load_model_info(path)
         vocabulary = Tokenizer(path)
@@ -262,6 +265,11 @@ class Engine:
                 f"the draft model {path.name} has another vocabulary than {self.model_path.name} "
                 f"({vocabulary.n_vocab} tokens against {self.tokenizer.n_vocab}, or other tokens); drafts must be "
                 "token ids of the same vocabulary: give a draft model of the same family"
+            )
+        if info.hparams.recurrent:
+            raise InvalidOptionError(
+                f"the draft model {path.name} keeps a recurrent state, which cannot take back its rejected drafts; "
+                "give a transformer of the same family"
             )
         cells = min(
             self.kv_budget.capacity(backend_cls.kv_bytes_per_token(info, options.kv_type), backend_cls.kv_block),

@@ -231,7 +231,9 @@ def test_the_draft_model_follows_each_answer_and_keeps_its_kept_drafts(tiny_pair
         after = [*prompt, *greedy[:3], greedy[3]]
         assert model.draft(1, after, 3) == greedy[4:7]
         assert model._held[1][: len(after)] == after
-        assert model.draft(1, [*prompt, 7], 2) == model.draft(1, [*prompt, 7], 2)  # cut back to the prompt
+        # Another turn after the prompt: cut back to the prompt, then the same drafts as a sequence never used.
+        assert model.draft(1, [*prompt, 7], 2) == model.draft(2, [*prompt, 7], 2)
+        assert model._held[1][: len(prompt) + 1] == [*prompt, 7] == model._held[2][: len(prompt) + 1]
         assert model.draft(1, prompt, 0) == []
 
 
@@ -245,3 +247,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(tiny_pair,
     assert "same family" in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(InvalidOptionError, match="--speculative draft needs a draft model"):
         Engine(target, threads=2, kv_budget="512tok", speculative="draft")
+
+
+def test_a_recurrent_draft_model_is_refused_in_one_line(tiny_pair, tmp_path):
+    from llamacpp_archs import write_tiny_mamba
+
+    target, _ = tiny_pair
+    mamba = write_tiny_mamba(tmp_path / "mamba.gguf")  # the same byte-level vocabulary, no KV cache
+    with pytest.raises(InvalidOptionError, match="keeps a recurrent state") as refused:
+        Engine(target, threads=2, kv_budget="512tok", draft=mamba)
+    assert "\n" not in str(refused.value)
