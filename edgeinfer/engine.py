@@ -911,7 +911,8 @@ class Engine:
                 room = max(0, min(generation.params.max_tokens - len(generation.output) - 1, MAX_DRAFT))
                 # A draft model's tokens cost its steps too, besides their share of the verifying step.
                 cost = self._draft_cost.value + self._draft_share
-                draft = tuple(generation.drafts.draft(generation.control.length(room, cost)))
+                length = generation.control.length(room, cost)
+                draft = tuple(generation.drafts.draft(length)) if length else ()
                 if not draft:
                     generation.control.skipped(cost)
             drafts.append(draft)

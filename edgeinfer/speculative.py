@@ -69,27 +69,27 @@ class PromptLookup:
     """Drafts what followed the latest earlier occurrence of the text's last n tokens.
 
     An index maps every n-gram of the text but the one it ends with to where its latest occurrence
-    ended, so a lookup is one dictionary probe per n-gram length.
+    ended, so a lookup is one dictionary probe per n-gram length. It is brought up to date when a draft is
+    asked for, so tokens decoded while drafting is off cost an append each.
     """
 
     def __init__(self, tokens: Sequence[int]) -> None:
-        self._tokens: list[int] = []
+        self._tokens: list[int] = list(tokens)
         self._ends: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
+        self._indexed = 0  # the n-grams ending before this position are in the index
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to the text."""
-        text, ends = self._tokens, self._ends
-        for token in tokens:
-            end = len(text)
-            for n in NGRAM_SIZES:
-                if end >= n:
-                    ends[tuple(text[end - n : end])] = end
-            text.append(token)
+        self._tokens.extend(tokens)
 
     def draft(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the longest n-gram the text ends with, where it occurred last."""
-        text = self._tokens
+        text, ends = self._tokens, self._ends
+        for end in range(self._indexed, len(text)):  # every n-gram but the ones the text ends with
+            for n in NGRAM_SIZES:
+                if end >= n:
+                    ends[tuple(text[end - n : end])] = end
+        self._indexed = max(self._indexed, len(text))
         for n in NGRAM_SIZES:
             if len(text) > n:
                 end = self._ends.get(tuple(text[-n:]))
@@ -113,6 +113,8 @@ class DraftControl:
     def length(self, available: int, token_cost: float = DRAFT_TOKEN_COST) -> int:
         """Drafted tokens worth verifying when ``available`` are on offer and each costs ``token_cost`` of a
         one-token step (0: decode one token)."""
+        if self.acceptance <= token_cost:  # each drafted token keeps at most what it costs: no length pays
+            return 0
         best, best_gain = 0, 1.0
         kept = term = 1.0
         for k in range(1, min(available, MAX_DRAFT) + 1):
