@@ -71,7 +71,7 @@ class Step:
     * ``reading``: the checkpoint's tokenizer and the calibration text;
     * ``calibrating``: the calibration text through each layer (with ``calib``);
     * ``probing``: each layer's effect on the output distribution, the head last (``sensitivity="kld"``);
-    * ``timing``: each type a matrix's rows allow, its kernels in llama.cpp here (a budget and ``speed_aware``);
+    * ``timing``: runs of each type a matrix's rows allow, in llama.cpp here (a budget and ``speed_aware``);
     * ``measuring``: each matrix's error under every type its rows allow (with a budget);
     * ``writing``: each tensor quantized and written;
     * ``evaluating``: perplexity and divergence in llama.cpp (with ``eval_text``).
@@ -332,7 +332,7 @@ def convert(
         elif speed_aware:
             types = sorted({t for name in probe_types for t in candidate_types(shapes[name][-1])}, key=int)
             speeds = measure_type_speeds(
-                types, hp, progress=lambda done, total: progress(Step("timing", done, total, "type"))
+                types, hp, progress=lambda done, total: progress(Step("timing", done, total, "run"))
             )
             untimed = [t.name for t in types if t not in speeds]
             if untimed:

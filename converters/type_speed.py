@@ -8,12 +8,14 @@ llama layers as wide as the checkpoint's (rounded up to whole 256-value blocks, 
 rows; at most ``MAX_PROBE_WIDTH``), random weights, every matrix in the type, and a 258-token byte
 vocabulary so the head costs little. Each probe is loaded in llama.cpp and timed on a ``PROMPT_TOKENS``
 prompt in the engine's chunks (prefill) and on ``DECODE_TOKENS`` one-token steps (decode), best of
-``RUNS``. The probes differ only in their matrices' type, so the figures rank the types' kernels;
-``scripts/bench_types.py`` prints them.
+``RUNS`` taken in turn with the other types. The probes differ only in their matrices' type, so the
+figures rank the types' kernels; ``scripts/bench_types.py`` prints them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -98,7 +100,9 @@ def measure_type_speeds(
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[QType, TypeSpeed]:
     """Each of ``types``' probe speed in llama.cpp for a model shaped like ``hp``, on ``threads`` (the engine's
-    rule without it); a type llama.cpp refuses to load is left out. ``progress(done, total)`` follows the types."""
+    rule without it); a type llama.cpp refuses to load is left out. Every probe is loaded first and then timed in
+    turn, RUNS rounds of one run each, so that a slow moment of the machine falls on every type alike, not on
+    one. ``progress(done, total)`` follows the runs."""
     from edgeinfer.backends.llamacpp import LlamaCppBackend
 
     types = list(types)
@@ -109,24 +113,26 @@ def measure_type_speeds(
         name: rng.standard_normal(tuple(reversed(shape))) * 0.02 for name, shape in expected_tensors(probe).items()
     }
     params = sum(w.size for name, w in weights.items() if name.startswith("blk.") and w.ndim == 2)
-    speeds = {}
-    progress(0, len(types))
-    with tempfile.TemporaryDirectory(prefix="edgeinfer-types-") as folder:
-        for done, qtype in enumerate(types, 1):
+    tokens = [int(t) for t in rng.integers(0, 256, PROMPT_TOKENS + DECODE_TOKENS)]
+    total = RUNS * len(types)
+    progress(0, total)
+    with tempfile.TemporaryDirectory(prefix="edgeinfer-types-") as folder, contextlib.ExitStack() as loaded:
+        backends: dict[QType, Backend] = {}
+        for qtype in types:
             path = _write_probe(Path(folder) / f"{qtype.name}.gguf", probe, weights, qtype)
             try:
-                backend = LlamaCppBackend(load_model_info(path), options)
+                backends[qtype] = loaded.enter_context(
+                    contextlib.closing(LlamaCppBackend(load_model_info(path), options))
+                )
             except BackendError:  # a type this build cannot run: nothing to weigh it by
-                progress(done, len(types))
-                continue
-            try:
-                prefill, decode = _time(backend)
-            finally:
-                backend.close()
-                path.unlink()
-            speeds[qtype] = TypeSpeed(qtype, prefill, decode, params)
-            progress(done, len(types))
-    return speeds
+                total -= RUNS
+        best = {qtype: (math.inf, math.inf) for qtype in backends}
+        for run in range(RUNS):
+            for done, (qtype, backend) in enumerate(backends.items(), 1):
+                prefill, decode = _time(backend, tokens)
+                best[qtype] = (min(best[qtype][0], prefill), min(best[qtype][1], decode))
+                progress(run * len(backends) + done, total)
+    return {t: TypeSpeed(t, PROMPT_TOKENS / p, DECODE_TOKENS / d, params) for t, (p, d) in best.items()}
 
 
 def _blocks(n: int) -> int:
@@ -151,21 +157,17 @@ def slow_types(speeds: Mapping[QType, TypeSpeed]) -> dict[QType, list[QType]]:
     return slow
 
 
-def _time(backend: Backend) -> tuple[float, float]:
-    """The best of RUNS: prompt tokens/s in the engine's chunks, then one-token decode steps per second."""
-    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 256, PROMPT_TOKENS + DECODE_TOKENS)]
-    prefill = decode = float("inf")
-    for _ in range(RUNS):
-        backend.truncate(0, 0)
-        start = time.perf_counter()
-        for at in range(0, PROMPT_TOKENS, DEFAULT_BATCH_SIZE):
-            backend.eval([Span(0, at, tokens[at : at + DEFAULT_BATCH_SIZE])])
-        prefill = min(prefill, time.perf_counter() - start)
-        start = time.perf_counter()
-        for at in range(PROMPT_TOKENS, PROMPT_TOKENS + DECODE_TOKENS):
-            backend.eval([Span(0, at, tokens[at : at + 1], argmax=True)])
-        decode = min(decode, time.perf_counter() - start)
-    return PROMPT_TOKENS / prefill, DECODE_TOKENS / decode
+def _time(backend: Backend, tokens: list[int]) -> tuple[float, float]:
+    """Seconds for the prompt in the engine's chunks, then for the one-token decode steps after it."""
+    backend.truncate(0, 0)
+    start = time.perf_counter()
+    for at in range(0, PROMPT_TOKENS, DEFAULT_BATCH_SIZE):
+        backend.eval([Span(0, at, tokens[at : at + DEFAULT_BATCH_SIZE])])
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for at in range(PROMPT_TOKENS, PROMPT_TOKENS + DECODE_TOKENS):
+        backend.eval([Span(0, at, tokens[at : at + 1], argmax=True)])
+    return prefill, time.perf_counter() - start
 
 
 def _probe_tokens() -> list[str]:

@@ -18,6 +18,7 @@ from tiny_hf import as_stored, write_safetensors, write_tiny_hf
 from edgeinfer import Engine
 from edgeinfer.converters.convert import convert
 from edgeinfer.converters.plan import UNIFORM_TYPES
+from edgeinfer.converters.type_speed import RUNS
 from edgeinfer.errors import ConversionError
 from edgeinfer.models.info import load_model_info
 
@@ -463,7 +464,7 @@ def test_cli_convert_reports_its_stages_in_plain_lines_off_a_terminal(tmp_path, 
     for stage, unit, total in [
         ("calibrating", "layer", 2),
         ("probing", "layer", 3),  # the head counts as one more
-        ("timing", "type", n_types),
+        ("timing", "run", n_types * RUNS),  # each type timed RUNS times, in turn
         ("measuring", "tensor", n_matrices),
         ("writing", "tensor", n_matrices + 1 + 2 * 2),  # and the norms
     ]:

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QType
 
 from edgeinfer.converters.plan import MIX_TYPES, QUALITY_INSISTS, budgeted, stored_bytes
 from edgeinfer.converters.quantize import available
-from edgeinfer.converters.type_speed import TypeSpeed, measure_type_speeds, probe_hparams, slow_types
+from edgeinfer.converters.type_speed import RUNS, TypeSpeed, measure_type_speeds, probe_hparams, slow_types
 from edgeinfer.models.arch import ARCHITECTURES, HParams
 
 SMALL = HParams(
@@ -34,7 +34,8 @@ def test_every_type_a_mix_chooses_from_loads_and_runs_in_the_probe():
     types = [t for t in MIX_TYPES if available(t)]
     seen = []
     speeds = measure_type_speeds(types, SMALL, threads=1, progress=lambda done, total: seen.append((done, total)))
-    assert list(speeds) == types and seen[0] == (0, len(types)) and seen[-1] == (len(types), len(types))
+    runs = RUNS * len(types)
+    assert list(speeds) == types and seen[0] == (0, runs) and seen[-1] == (runs, runs) and len(seen) == runs + 1
     probe = probe_hparams(SMALL)
     assert (probe.n_embd, probe.n_ff, probe.n_layer) == (256, 256, 2)  # whole blocks of 256, whatever the width
     for speed in speeds.values():
