@@ -32,7 +32,7 @@ from edgeinfer.errors import BackendError
 from edgeinfer.models.arch import ARCHITECTURES, HParams, expected_tensors
 from edgeinfer.models.info import load_model_info
 from edgeinfer.system import thread_count
-from edgeinfer.vocabulary import byte_decoder
+from edgeinfer.vocabulary import byte_symbols
 
 QType = GGMLQuantizationType
 PROBE_LAYERS = 2
@@ -171,8 +171,7 @@ def _time(backend: Backend, tokens: list[int]) -> tuple[float, float]:
 
 
 def _probe_tokens() -> list[str]:
-    symbols = {b: char for char, b in byte_decoder().items()}
-    return [symbols[b] for b in range(256)] + ["Ġt", "<|endoftext|>"]  # a BPE vocabulary needs a merge
+    return byte_symbols() + ["Ġt", "<|endoftext|>"]  # a BPE vocabulary needs a merge
 
 
 def _write_probe(path: Path, hp: HParams, weights: Mapping[str, np.ndarray], qtype: QType) -> Path:

@@ -249,23 +249,9 @@ class Engine:
         self, draft: str | os.PathLike[str], backend_cls: type[Backend], options: BackendOptions, force: bool
     ) -> tuple[DraftModel, float]:
         """The draft model on a backend of its own, with a cache of the same budget (memory checked for it too);
-        refused, in one line, where its vocabulary is not this model's or its cache cannot be truncated."""
+        refused, in one line, where its cache cannot be truncated or its vocabulary is not this model's."""
         path = resolve_model(draft)
         info = load_model_info(path)
-        vocabulary = Tokenizer(path)
-        try:
-            mine, theirs = self.tokenizer, vocabulary
-            differs = mine.n_vocab != theirs.n_vocab or any(
-                mine.piece(t) != theirs.piece(t) for t in range(mine.n_vocab)
-            )
-        finally:
-            vocabulary.close()
-        if differs:
-            raise InvalidOptionError(
-                f"the draft model {path.name} has another vocabulary than {self.model_path.name} "
-                f"({vocabulary.n_vocab} tokens against {self.tokenizer.n_vocab}, or other tokens); drafts must be "
-                "token ids of the same vocabulary: give a draft model of the same family"
-            )
         if info.hparams.recurrent:
             raise InvalidOptionError(
                 f"the draft model {path.name} keeps a recurrent state, which cannot take back its rejected drafts; "
@@ -278,6 +264,23 @@ class Engine:
         draft_options = dataclasses.replace(options, kv_tokens=cells)
         check_memory(backend_cls.memory(info, draft_options), force=force)
         backend = backend_cls(info, draft_options)
+        try:
+            # After the backend, as the engine's own: llama.cpp's tokenizer shares the model it loaded.
+            with contextlib.closing(Tokenizer(path)) as theirs:
+                mine = self.tokenizer
+                differs = mine.n_vocab != theirs.n_vocab or any(
+                    mine.piece(t) != theirs.piece(t) for t in range(mine.n_vocab)
+                )
+                n_vocab = theirs.n_vocab
+            if differs:
+                raise InvalidOptionError(
+                    f"the draft model {path.name} has another vocabulary than {self.model_path.name} "
+                    f"({n_vocab} tokens against {mine.n_vocab}, or other tokens); drafts must be "
+                    "token ids of the same vocabulary: give a draft model of the same family"
+                )
+        except BaseException:
+            backend.close()
+            raise
         return DraftModel(backend, min(cells, backend.capacity)), info.file_size / self.info.file_size
 
     def _state_identity(self, backend_name: str, options: BackendOptions) -> str:
@@ -903,14 +906,14 @@ class Engine:
         """The tokens each stepping answer drafts to follow the one it drew: as many as pay for themselves
         (``DraftControl``), within its ``max_tokens``; none at all where the pool has no cells free for them."""
         drafts: list[tuple[int, ...]] = []
+        # A draft model's tokens cost its steps too, besides their share of the verifying step.
+        cost = self._draft_cost.value + self._draft_share
         for generation in stepping:
             draft: tuple[int, ...] = ()
             if generation.drafts is not None:
                 # The drawn token is its answer's; each kept draft token draws one more, so the last to verify
                 # is the one before max_tokens.
                 room = max(0, min(generation.params.max_tokens - len(generation.output) - 1, MAX_DRAFT))
-                # A draft model's tokens cost its steps too, besides their share of the verifying step.
-                cost = self._draft_cost.value + self._draft_share
                 length = generation.control.length(room, cost)
                 draft = tuple(generation.drafts.draft(length)) if length else ()
                 if not draft:

@@ -89,10 +89,10 @@ class PromptLookup:
             for n in NGRAM_SIZES:
                 if end >= n:
                     ends[tuple(text[end - n : end])] = end
-        self._indexed = max(self._indexed, len(text))
+        self._indexed = len(text)
         for n in NGRAM_SIZES:
             if len(text) > n:
-                end = self._ends.get(tuple(text[-n:]))
+                end = ends.get(tuple(text[-n:]))
                 if end is not None:
                     return text[end : end + limit]
         return []

@@ -51,6 +51,12 @@ _SPECIAL = (TokenType.CONTROL, TokenType.UNKNOWN)
 
 
 @cache
+def byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value, by byte: the byte-level BPE base alphabet."""
+    symbols = {b: char for char, b in byte_decoder().items()}
+    return [symbols[b] for b in range(256)]
+
+
 def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the printable character standing for each byte, back to the byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

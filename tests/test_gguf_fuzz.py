@@ -17,11 +17,12 @@ from gguf import GGUFValue, GGUFValueType
 from gguf_mutate import Field, layout, limit_files, mutants, validate
 from llamacpp_archs import write_tiny_granite
 from native_load import load_in_llamacpp
-from tiny_model import BPE_MERGES, CHATML_SPECIALS, SPM_PIECES, gpt2_byte_symbols, write_tiny_gguf
+from tiny_model import BPE_MERGES, CHATML_SPECIALS, SPM_PIECES, write_tiny_gguf
 
 from edgeinfer import Engine, InvalidModelError
 from edgeinfer.models.arch import expected_tensors
 from edgeinfer.models.info import load_model_info
+from edgeinfer.vocabulary import byte_symbols
 
 from support import evaluate
 
@@ -110,7 +111,7 @@ def copy_name(data: bytes, kind: str, src: str, dst: str) -> bytes:
 
 
 def gpt2_tokens() -> list[str]:
-    return gpt2_byte_symbols() + [a + b for a, b in BPE_MERGES] + CHATML_SPECIALS
+    return byte_symbols() + [a + b for a, b in BPE_MERGES] + CHATML_SPECIALS
 
 
 def spm_tokens(without: int) -> list[str]:

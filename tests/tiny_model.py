@@ -39,7 +39,7 @@ from edgeinfer.models.arch import (
     swa_pattern_layers,
     tensor_name,
 )
-from edgeinfer.vocabulary import byte_decoder
+from edgeinfer.vocabulary import byte_symbols
 
 TensorType = Literal["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
 ArchName = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
@@ -60,14 +60,8 @@ SPM_PIECES = ["▁", "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁s", "
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def gpt2_byte_symbols() -> list[str]:
-    """GPT-2's printable stand-in for each byte value: the byte-level BPE base alphabet, by byte."""
-    symbols = {b: char for char, b in byte_decoder().items()}
-    return [symbols[b] for b in range(256)]
-
-
 def _add_gpt2_vocab(writer: GGUFWriter) -> int:
-    tokens = gpt2_byte_symbols() + [a + b for a, b in BPE_MERGES]
+    tokens = byte_symbols() + [a + b for a, b in BPE_MERGES]
     types = [TokenType.NORMAL] * len(tokens)
     first_special = len(tokens)
     tokens += CHATML_SPECIALS
