@@ -1084,6 +1084,14 @@ def convert(
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after a warm-up.")
 @click.option("--threads", type=int, help="CPU threads (default: the free cores).")
 @_placement_options
+@click.option(
+    "--speculative",
+    type=click.Choice([Speculation.LOOKUP.value, Speculation.OFF.value]),
+    default=Speculation.LOOKUP.value,
+    show_default=True,
+    help="lookup: as an engine decodes by default (the prompt repeats, so drafts are often kept); off: one token "
+    "a step, each backend's own decode speed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, with every run's figures.")
 @click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), help="Also draw the results into this PNG (matplotlib)."
@@ -1098,6 +1106,7 @@ def bench_command(
     threads: int | None,
     device: str,
     gpu_layers: int,
+    speculative: str,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -1121,6 +1130,7 @@ def bench_command(
         threads=threads,
         device=device,
         gpu_layers=gpu_layers,
+        speculative=Speculation(speculative),
         progress=lambda line: click.echo(f"bench: {line}", err=True),
     )
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format())

@@ -2,10 +2,11 @@
 
 Times a plain copy kernel (float4 loads and stores over 256 MiB) and each type's decode product
 (``backends/opencl/kernels/products.cl``) on a 16384x8192 matrix in the layout the backend uploads,
-by the device's own event timestamps from an emptied cache, in every shape the backend's tuning
-tries (``tuning.py``), and prints the fastest shape's bytes read per second (its layout's, and the
-file's: widened scales read more bytes than the file holds) as a share of the copy's (bytes read and
-written).
+by the device's own event timestamps from an emptied cache, in the shape the backend's tuning
+chooses (``tuning.py``). Then the copy and the product take turns for ROUNDS rounds (a shared machine's
+bandwidth drifts from one second to the next), and it prints the product's bytes read per second (its
+layout's, and the file's: widened scales read more bytes than the file holds) as a share of the copy's
+(bytes read and written), the median of the rounds' shares.
 
     python scripts/bench_opencl.py [--device 0:0]
 """
@@ -13,15 +14,17 @@ written).
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from edgeinfer.backends.opencl.backend import HALF_SCALES, KERNELS
+from edgeinfer.backends.opencl.backend import FLAT_PARTS, HALF_SCALES, KERNELS, LANES_TYPES, layout_parts
 from edgeinfer.backends.opencl.device import choose_device
-from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer
+from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer, shapes_for
 
 COPY = """
 __kernel void copy(__global const float4 *src, __global float4 *dst) {
@@ -32,25 +35,20 @@ __kernel void copy(__global const float4 *src, __global float4 *dst) {
 N, K = 16384, 8192
 # type: bytes of one 32-element block, as the backend's buffers hold it
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64, "f32": 128}
+ROUNDS = 9
 
 
-def buffers(context: cl.Context, kind: str, rng: np.random.Generator, float_scales: bool) -> list[cl.Buffer]:
-    """Random weights in the flat layout: scales (and minimums) apart from codes, as halves or widened."""
-    blocks = N * K // 32
-
-    def upload(array: np.ndarray) -> cl.Buffer:
-        return cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=array)
-
-    def scales() -> cl.Buffer:
-        return upload((rng.random(blocks) / 64).astype(np.float32 if float_scales else np.float16))
-
-    if kind == "f32":
-        return [upload(rng.random(N * K, dtype=np.float32))]
-    if kind == "f16":
-        return [upload(rng.random(N * K).astype(np.float16))]
-    if kind == "q4_1":
-        return [scales(), scales(), upload(rng.integers(0, 256, blocks * 16, np.uint8))]
-    return [scales(), upload(rng.integers(0, 256, blocks * (16 if kind == "q4_0" else 32), np.uint8))]
+def raw_blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """An N x K matrix of ``kind`` as a GGUF holds it, a row of bytes each: random codes, small half scales."""
+    qtype = QType[kind.upper()]
+    if kind in ("f32", "f16"):
+        return rng.random((N, K)).astype(np.float32 if kind == "f32" else np.float16).view(np.uint8)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N, K // block, size), np.uint8)
+    for i in HALF_SCALES[qtype]:  # each half scale's two bytes, at the flat part's offset in the block
+        at = FLAT_PARTS[qtype][i]
+        raw[..., at : at + 2] = (rng.random((N, K // block, 1)) / 64).astype(np.float16).view(np.uint8)
+    return raw.reshape(N, -1)
 
 
 def main() -> None:
@@ -62,42 +60,55 @@ def main() -> None:
     timer = Timer(context)
     rng = np.random.default_rng(0)
 
+    def upload(array: np.ndarray) -> cl.Buffer:
+        return cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=array)
+
     size = 256 << 20
-    src = cl.Buffer(
-        context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=np.ones(size // 4, np.float32)
-    )
-    dst = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, size)
+    src, dst = upload(np.ones(size // 4, np.float32)), cl.Buffer(context, cl.mem_flags.WRITE_ONLY, size)
     copy = cl.Kernel(cl.Program(context, COPY).build(), "copy")
     copy.set_args(src, dst)
-    stream = 2 * size / timer.median_seconds(copy, (size // 16,))
-    print(f"{info.index} {info.name}: copy {stream / 1e9:.1f} GB/s (read and written)")
+    print(f"{info.index} {info.name}: each product against a copy of {size >> 20} MiB, {ROUNDS} rounds in turn")
 
     source = (Path(KERNELS) / "products.cl").read_text()
     # One program a set of build options: the group size is the launch's, not the build's.
     programs = {
         defines: cl.Program(context, source).build(options=list(defines)) for defines in {s.defines() for s in SHAPES}
     }
-    x = cl.Buffer(context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=rng.random(K, dtype=np.float32))
+    x = upload(rng.random(K, dtype=np.float32))
     y = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, N * 4)
     for kind, block in BLOCK_BYTES.items():
-        half_parts = len(HALF_SCALES.get(QType[kind.upper()], ()))
-        half_scales = half_parts > 0
-        layouts = {wide: buffers(context, kind, rng, wide) for wide in {False, half_scales}}
+        qtype = QType[kind.upper()]
+        half_parts = len(HALF_SCALES.get(qtype, ()))
+        tried = shapes_for(half_parts > 0, qtype in LANES_TYPES)
+        raw = raw_blocks(kind, rng)
+        layouts = {
+            shape.layout: [upload(part) for part in layout_parts(qtype, raw, K, *shape.layout)] for shape in tried
+        }
+        del raw
 
         def launch(shape: Shape, kind: str = kind, layouts: dict = layouts) -> tuple[cl.Kernel, int]:
-            kernel = cl.Kernel(programs[shape.defines()], f"matvec_{kind}")
-            kernel.set_args(*layouts[shape.float_scales], x, y, None, np.int32(K), np.int32(0), np.int32(N))
+            kernel = cl.Kernel(programs[shape.defines()], f"matvec_{kind}" + ("_lanes" if shape.lanes else ""))
+            kernel.set_args(*layouts[shape.layout], x, y, None, np.int32(K), np.int32(0), np.int32(N))
             return kernel, N
 
-        shape, seconds = timer.tune(launch, half_scales)
+        shape, _ = timer.tune(launch, tried)
+        kernel, rows = launch(shape)
+        copies, products = [], []  # seconds, in turns
+        for _ in range(ROUNDS):
+            copies.append(timer.median_seconds(copy, (size // 16,)))
+            products.append(timer.median_seconds(kernel, (shape.global_size(rows), 1), shape.local_size()))
+        block_read = block + 2 * half_parts * shape.float_scales  # bytes of a block in the layout
+        read = N * K // 32 * block_read
+        share = statistics.median(read * c / (2 * size * p) for c, p in zip(copies, products, strict=True))
+        seconds, stream = statistics.median(products), 2 * size / statistics.median(copies)
         groups = f"groups of {shape.local}" if shape.local else "groups the driver chose"
-        read = N * K // 32 * (block + 2 * half_parts * shape.float_scales)
-        rate, file_rate = read / seconds, N * K // 32 * block / seconds
+        layout = "lanes" if shape.lanes else f"{shape.rows} rows a work-item"
         print(
-            f"  {kind:<5} {N}x{K}: {seconds * 1e6:8.0f} us  {rate / 1e9:5.1f} GB/s  {rate / stream:5.0%} of the copy"
-            f"  (the file's bytes: {file_rate / 1e9:5.1f} GB/s, {file_rate / stream:4.0%})"
-            f"  {shape.rows} rows a work-item, {groups}, {'float32' if shape.float_scales else 'half'} scales"
+            f"  {kind:<5} {N}x{K}: {seconds * 1e6:6.0f} us  {read / seconds / 1e9:5.1f} GB/s  {share:4.0%} of the"
+            f" copy's {stream / 1e9:4.1f} GB/s (the file's bytes: {share * block / block_read:4.0%})"
+            f"  {layout}, {groups}, {'float32' if shape.float_scales else 'half'} scales"
         )
+        del layouts
 
 
 if __name__ == "__main__":

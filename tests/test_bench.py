@@ -44,10 +44,11 @@ def test_the_prompt_has_exactly_the_tokens_asked_for(engine, model_path, n):
 
 
 def test_two_configurations_side_by_side_as_json(runner, model_path):
-    result = runner.invoke(cli, ["bench", "smollm2-135m", str(model_path), *TINY, "--json"])
+    result = runner.invoke(cli, ["bench", "smollm2-135m", str(model_path), *TINY, "--speculative", "off", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["prompt_tokens"], report["gen_tokens"], report["runs"]) == (16, 8, 2)
+    assert report["speculative"] == "off"
     assert report["interleaved"] is True and (report["device"], report["gpu_layers"]) == ("cpu", -1)
     first, second = report["configs"]
     assert first["model"] == "smollm2-135m" and second["model"] == str(model_path)
@@ -66,6 +67,7 @@ def test_two_configurations_side_by_side_as_json(runner, model_path):
         for run in config["runs"]:
             assert (run["prompt_tokens"], run["cached_tokens"], run["output_tokens"]) == (16, 0, 8)
             assert len(run["token_times_s"]) == 8 and run["kv_evicted"] == 0
+            assert run["drafted_tokens"] == 0  # one token a step
     assert set(first["ratios"].values()) == {1.0}
     assert second["ratios"]["decode_tokens_per_s"] == pytest.approx(
         second["summary"]["decode_tokens_per_s"] / first["summary"]["decode_tokens_per_s"]
@@ -81,16 +83,19 @@ def test_the_table_for_people():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("16-token prompt, 8 tokens generated (greedy), 2 runs after 1 warm-up, 1 thread;")
+    assert lines[0].startswith(
+        "16-token prompt, 8 tokens generated (greedy, lookup drafting), 2 runs after 1 warm-up, 1 thread;"
+    )
     header = next(line for line in lines if "smollm2-135m" in line)
     assert header.split() == ["smollm2-135m", "smollm2-135m"]
     rows = {line[:16].rstrip(): line[16:] for line in lines[lines.index(header) + 2 :]}
-    for label in ROWS + tuple(f"  {stage}" for stage in STAGES):
+    for label in ROWS + ("drafts kept",) + tuple(f"  {stage}" for stage in STAGES):
         assert label in rows, label
     assert rows["decode"].count("tok/s") == 2 and rows["decode"].rstrip().endswith("x")  # ratio to the first
     assert rows["TTFT"].count(" ms") + rows["TTFT"].count(" s") == 2
     assert rows["decode"].split()[0].replace(",", "").replace(".", "").isdigit()
     assert rows["  prefill"].count("%)") == 2 and "MiB" in rows["peak RSS"]
+    assert rows["drafts kept"].count("%") == 2
 
 
 def test_a_worker_that_fails_is_one_line(runner, model_path, tmp_path):

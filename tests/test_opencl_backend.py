@@ -26,14 +26,18 @@ cl = pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (
 try:
     from edgeinfer.backends.opencl.backend import Launch, OpenCLBackend
     from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
+    from edgeinfer.backends.opencl.tuning import LANES_SHAPES, Shape, first_shape
 except BackendUnavailableError as exc:
     pytest.skip(f"no OpenCL device here: {exc}", allow_module_level=True)
 
 
-def logits_of(cls: type, info: ModelInfo, tokens: list[int], kv_type: str) -> np.ndarray:
+def logits_of(cls: type, info: ModelInfo, tokens: list[int], kv_type: str, decoded: int = 0) -> np.ndarray:
+    """Every position's logits: the tokens as one prompt, but the last ``decoded``, one decode step each."""
     with closing(cls(info, BackendOptions(kv_tokens=len(tokens), kv_type=kv_type, threads=2))) as backend:
-        (rows,) = backend.eval([Span(0, 0, tokens, all_logits=True)])
-        return np.array(rows)
+        prompt = len(tokens) - decoded
+        (rows,) = backend.eval([Span(0, 0, tokens[:prompt], all_logits=True)])
+        steps = [backend.eval([Span(0, at, [tokens[at]], all_logits=True)])[0] for at in range(prompt, len(tokens))]
+        return np.concatenate([np.array(rows), *(np.array(step) for step in steps)])
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +120,36 @@ def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
         assert all(row[token] >= row.max() - 0.01 for row, token in zip(rows, greedy.tokens, strict=True))
 
 
-@pytest.mark.parametrize("float_scales", [False, True], ids=["half-scales", "float-scales"])
-@pytest.mark.parametrize("type_name", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+KERNEL_TYPES = ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+# Each type in each layout a device's timing may choose for it: half or float32 scales (where it has half ones),
+# and rows across lanes (Q4_0, Q4_1, Q8_0).
+LAYOUTS = {"half-scales": Shape(), "float-scales": Shape(float_scales=True), "lanes": LANES_SHAPES[0]}
+TYPE_LAYOUTS = [
+    pytest.param(t, LAYOUTS[name], id=f"{t}-{name}")
+    for t in KERNEL_TYPES
+    for name in ["half-scales"]
+    + (["float-scales"] if t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0") else [])
+    + (["lanes"] if t in ("Q4_0", "Q4_1", "Q8_0") else [])
+]
+
+
+@pytest.mark.parametrize(("type_name", "shape"), TYPE_LAYOUTS)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatch, type_name, arch, float_scales):
+def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatch, type_name, arch, shape):
     """Each matvec kernel through a whole model (gemma3: Q/K norms, post-norms, GELU, a sliding window), on the
     sharpened tiny model: the kernels compute what the file holds, in float32 (measured: KLD 1e-14 to 1e-11).
-    The 37 tokens run as one chunk (each matrix dequantized, then gemm) and the head one token at a time, in each
-    layout of the scales that a device's timing may choose."""
+    The first 29 of 37 tokens run as one chunk (each matrix dequantized, then gemm), the last 8 as decode steps
+    (every product a matrix-vector kernel), in each layout that a device's timing may choose."""
+    _agrees_with_the_reference(tmp_path, monkeypatch, type_name, arch, shape)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_lanes_kernels_add_the_biases(tmp_path, monkeypatch, type_name):
+    """qwen2's Q, K and V biases, which a lanes work-item adds to its 16 rows as it writes them (the decode steps)."""
+    _agrees_with_the_reference(tmp_path, monkeypatch, type_name, "qwen2", LAYOUTS["lanes"])
+
+
+def _agrees_with_the_reference(tmp_path, monkeypatch, type_name: str, arch: str, shape: Shape) -> None:
     import tiny_model
     from conformance_models import write_sharp_gguf
     from gguf import GGMLQuantizationType
@@ -132,7 +158,7 @@ def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatc
     from edgeinfer.converters import quantize
 
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))  # this test's choice, not a record's
-    monkeypatch.setattr(tuning.Timer, "tune", lambda self, launch, half: (tuning.Shape(float_scales=float_scales), 0))
+    monkeypatch.setattr(tuning.Timer, "tune", lambda self, launch, shapes: (shape, 0))
 
     if not quantize.available(GGMLQuantizationType[type_name]):
         pytest.skip(f"{type_name} blocks come from ggml's quantizer, which needs llama.cpp's library")
@@ -141,20 +167,21 @@ def test_every_type_with_a_kernel_agrees_with_the_reference(tmp_path, monkeypatc
     info = load_model_info(path)
     tokens = list(range(3, 40))
     truth = logits_of(ReferenceBackend, info, tokens, "f32")
-    ours = logits_of(OpenCLBackend, info, tokens, "f32")
+    ours = logits_of(OpenCLBackend, info, tokens, "f32", decoded=8)
     divergence, agree = kld(truth, ours), top1(truth, ours)
     assert divergence <= 1e-6 and agree == 1.0, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
 
 
-@pytest.mark.parametrize("type_name", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
 def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, type_name):
-    """The tuning picks rows a work-item, group sizes and the scales' layout by speed, so each machine may run
-    another shape: every shape gives the product of the file's weights, and writes no row past the matrix's
-    (203 rows: the last work-item of 2, 4 or 8 rows has rows past the end, and no group size divides them)."""
+    """The tuning picks the layout, rows a work-item and group sizes by speed, so each machine may run another
+    shape: every shape gives the product of the file's weights, and writes no row past the matrix's (203 rows:
+    the last work-item of 2, 4, 8 or 16 rows has rows past the end, and no group size divides them). A chunk's
+    dequantized matrix is the file's in every layout too."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from edgeinfer.backends.opencl.backend import HALF_SCALES
+    from edgeinfer.backends.opencl.backend import HALF_SCALES, LANES_TYPES
     from edgeinfer.backends.opencl.tuning import shapes_for
     from edgeinfer.converters import quantize
 
@@ -166,20 +193,31 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     weights = rng.standard_normal((n, k)).astype(np.float32)
     floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
     raw = weights.astype(floats[kind]).view(np.uint8) if kind in floats else quantize.quantize(weights, kind)
-    truth = dequantize(raw, kind).reshape(n, k).astype(np.float64) @ (x := rng.standard_normal(k).astype(np.float32))
+    w = dequantize(raw, kind).reshape(n, k)
+    truth = w.astype(np.float64) @ (x := rng.standard_normal(k).astype(np.float32))
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    shapes = shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
+    assert any(shape.lanes for shape in shapes) == (kind in LANES_TYPES)
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
-        layouts = {wide: backend._matrix_of(kind, raw, k, wide) for wide in (False, True)}
-        assert layouts[True].float_scales == (kind in HALF_SCALES)
+        layouts = {shape.layout: backend._matrix_of(kind, raw, k, shape) for shape in shapes}
         xs, y = backend._buffer(x), backend._scratch(4 * (n + past))
-        for shape in shapes_for(kind in HALF_SCALES):
-            matrix = layouts[shape.float_scales]
+        for shape in shapes:
+            matrix = layouts[shape.layout]
             cl.enqueue_copy(backend._queue, y, np.full(n + past, np.nan, np.float32))  # what a shape leaves shows
             backend._matvec(matrix, xs, y, None, 0, shape).enqueue(backend._queue)
             out = np.empty(n + past, np.float32)
             cl.enqueue_copy(backend._queue, out, y)
             assert np.abs(out[:n] - truth).max() <= 1e-4 * np.abs(truth).max(), shape
             assert np.isnan(out[n:]).all(), shape
+        backend._dequantized = backend._scratch(4 * n * k)  # the tiny model's own is smaller
+        for layout, matrix in layouts.items():
+            if matrix.type == GGMLQuantizationType.F32:
+                continue  # multiplied as it is
+            product = backend._product(matrix, first_shape(layout), (xs, k), (y, n), None, 0)
+            product.dequantize.enqueue(backend._queue)
+            dequantized = np.empty((n, k), np.float32)
+            cl.enqueue_copy(backend._queue, dequantized, backend._dequantized)
+            np.testing.assert_array_equal(dequantized, w, err_msg=str(layout))
 
 
 def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch, caplog):

@@ -9,7 +9,7 @@ re-rotates the kept keys on the device. The embedding rows are dequantized on th
 
 A prompt runs in chunks of ``batch_size`` tokens: each matrix is dequantized to float32 into one scratch
 buffer and multiplied by the chunk's rows in tiles (``gemm``); a token being decoded runs matrix-vector
-kernels on the blocks themselves, each product in the shape (rows a work-item, group size) measured
+kernels on the blocks themselves, each product in the shape (layout, rows a work-item, group size) measured
 fastest for its type and size on this device at the first load (``tuning.py``). Attention splits each
 head's positions into parts that run side by side, joined after. A greedy step (``Span.argmax``) takes its
 token's argmax on the device, and only the token comes back. Not yet here: tuned tiles for the prompt's
@@ -44,7 +44,7 @@ from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 from ..base import ARGMAX_NOT_FINITE, CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 from ..cells import CellPool, PooledBackend
 from .device import INSTALL_HINT, choose_device, opencl_devices
-from .tuning import Shape, Timer, record_shapes, recorded_shapes, shape_key, tuning_path
+from .tuning import LANES, Shape, Timer, record_shapes, recorded_shapes, shape_key, shapes_for, tuning_path
 
 if not opencl_devices():  # as a backend whose library is missing: it cannot load here, whatever the model
     raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
@@ -66,6 +66,8 @@ FLAT_PARTS: dict[QType, tuple[int, ...]] = {
 # The flat parts (indices into FLAT_PARTS' buffers) that hold a block's half-precision scales, which a shape may
 # have uploaded as float32 (tuning.py).
 HALF_SCALES: dict[QType, tuple[int, ...]] = {QType.Q4_0: (0,), QType.Q4_1: (0, 1), QType.Q5_0: (0,), QType.Q8_0: (0,)}
+# The types with kernels for the lanes layout too (products.cl): their flat parts with rows across lanes.
+LANES_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
 # Cells of the cache a part of attention covers when the cache is full: a decode step's attention over a long
 # context then runs as that many work-items a head, joined after.
@@ -84,6 +86,11 @@ class _Matrix:
     n: int
     k: int
     float_scales: bool = False  # its half scales widened to float32 (HALF_SCALES)
+    lanes: bool = False  # in the lanes layout (LANES_TYPES), its kernels' names ending in _lanes
+
+    def kernel(self, name: str) -> str:
+        """The kernel ``name`` (matvec, dequantize) of this matrix's type and layout."""
+        return f"{name}_{self.type.name.lower()}" + ("_lanes" if self.lanes else "")
 
 
 @dataclass(frozen=True)
@@ -279,7 +286,7 @@ class OpenCLBackend(PooledBackend):
             for stack in _stacks(kinds, layer, types):
                 names = [tensor_name(kind, layer) for kind in stack]
                 shape = self._shapes[_product_key([tensors[name] for name in names])]
-                matrix = self._upload_matrix(tensors, names, shape.float_scales, interleave=gate is not None)
+                matrix = self._upload_matrix(tensors, names, shape, interleave=gate is not None)
                 biases = [tensors.dequantize(tensor_name(kind, layer, "bias")) for kind in stack] if biased else []
                 bias = self._buffer(np.concatenate(biases)) if biased else None
                 planned.append(self._product(matrix, shape, x, y, bias, at, gate=gate))
@@ -329,7 +336,7 @@ class OpenCLBackend(PooledBackend):
                 body.append(add_norm(self._out, tensor_name(MODEL_TENSOR.ATTN_NORM, layer + 1)))
         head = tensor_name(MODEL_TENSOR.TOKEN_EMBD if hp.tied_embeddings else MODEL_TENSOR.OUTPUT)
         shape = self._shapes[_product_key([tensors[head]])]
-        head_matrix = self._upload_matrix(tensors, [head], shape.float_scales)
+        head_matrix = self._upload_matrix(tensors, [head], shape)
         last, logits = (self._last, hp.n_embd), (self._logits, hp.n_vocab)
         head_product = self._product(head_matrix, shape, last, logits, None, 0, gemm=False)
         return body, add_norm(self._out, tensor_name(MODEL_TENSOR.OUTPUT_NORM)), head_product
@@ -452,15 +459,16 @@ class OpenCLBackend(PooledBackend):
                     extra={"progress": done + 1 < len(missing)},  # rewritten in place on a terminal (notes.py)
                 )
                 kind = tensors[names[0]].type
-                layouts = {wide: self._upload_matrix(tensors, names, wide) for wide in {False, kind in HALF_SCALES}}
-                x = self._buffer(np.ones(layouts[False].k, np.float32))
-                y = self._scratch(4 * layouts[False].n)
+                tried = shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
+                layouts = {shape.layout: self._upload_matrix(tensors, names, shape) for shape in tried}
+                x = self._buffer(np.ones(tensors[names[0]].shape[0], np.float32))
+                y = self._scratch(4 * sum(tensors[name].shape[1] for name in names))
 
-                def launch(shape: Shape, layouts: dict[bool, _Matrix] = layouts, x: cl.Buffer = x, y: cl.Buffer = y):
-                    matrix = layouts[shape.float_scales]
+                def launch(shape: Shape, layouts: dict = layouts, x: cl.Buffer = x, y: cl.Buffer = y):
+                    matrix = layouts[shape.layout]
                     return self._matvec(matrix, x, y, None, 0, shape).kernel, matrix.n
 
-                shapes[key], _ = timer.tune(launch, kind in HALF_SCALES)
+                shapes[key], _ = timer.tune(launch, tried)
             record_shapes(path, shapes)  # with other models' sizes: the record is the device's
         return {key: shapes[key] for key in products}
 
@@ -493,7 +501,7 @@ class OpenCLBackend(PooledBackend):
     ) -> Launch:
         """``y[at:at + n] = W x (+ bias)``, by ``matrix``'s matrix-vector kernel in ``shape`` (whose layout the
         matrix was uploaded in); with ``gate``, half as many values, gate(row 2i) * row 2i + 1."""
-        return self._launch("products.cl", f"matvec_{matrix.type.name.lower()}", shape.global_size(matrix.n),
+        return self._launch("products.cl", matrix.kernel("matvec"), shape.global_size(matrix.n),
                             *matrix.buffers, x, y, bias, np.int32(matrix.k), np.int32(at), np.int32(matrix.n),
                             build=shape, local=shape.local_size(), gate=gate)  # fmt: skip
 
@@ -511,16 +519,17 @@ class OpenCLBackend(PooledBackend):
     ) -> Product:
         """``y[t][at:at + n] = W x[t] (+ bias)`` for each token t's row of x and y (buffer, row length), a token
         being decoded in ``shape``; with ``gate``, the gated pairs of rows (``_matvec``)."""
-        kind = matrix.type.name.lower()
         one = self._matvec(matrix, x[0], y[0], bias, at, shape, gate)
         if not gemm:  # the head: a chunk's logits are wanted a row at a time
             return Product(one, None, one.kernel, matrix.n, one.args)
         dequantize, weights = None, matrix.buffers[0]
         if matrix.type != QType.F32:
             items = matrix.n * matrix.k // DEQUANTIZED_PER_ITEM.get(matrix.type, 32)
+            sizes = (np.int32(matrix.k), np.int32(matrix.n)) if matrix.lanes else ()  # where a row's blocks lie
             dequantize = self._launch(
-                "products.cl", f"dequantize_{kind}", items, *matrix.buffers, self._dequantized, build=shape, gate=gate
-            )  # the program of the matrix's layout
+                "products.cl", matrix.kernel("dequantize"), items, *matrix.buffers, self._dequantized, *sizes,
+                build=shape, gate=gate,
+            )  # fmt: skip  # the program of the matrix's layout
             weights = self._dequantized
         args = (weights, x[0], y[0], bias, np.int32(matrix.k), np.int32(matrix.n), np.int32(1), np.int32(x[1]),
                 np.int32(y[1]), np.int32(at))  # fmt: skip
@@ -529,30 +538,23 @@ class OpenCLBackend(PooledBackend):
         return Product(one, dequantize, gemm_kernel, matrix.n, args)
 
     def _upload_matrix(
-        self, tensors: GGUFTensors, names: list[str], float_scales: bool, *, interleave: bool = False
+        self, tensors: GGUFTensors, names: list[str], shape: Shape, *, interleave: bool = False
     ) -> _Matrix:
-        """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads; with
-        ``interleave``, two matrices of as many rows with their rows taken in turns (the gated products')."""
+        """The matrices ``names`` (of one type and width) stacked by rows, in the layout their kernel reads in
+        ``shape``; with ``interleave``, two matrices of as many rows with their rows taken in turns (the gated
+        products')."""
         first = tensors[names[0]]
         raw = np.concatenate([tensors.raw(name) for name in names]) if len(names) > 1 else tensors.raw(names[0])
         if interleave:
             raw = np.stack(np.split(raw, 2), axis=1).reshape(raw.shape)
-        return self._matrix_of(first.type, raw, first.shape[0], float_scales)
+        return self._matrix_of(first.type, raw, first.shape[0], shape)
 
-    def _matrix_of(self, kind: QType, raw: np.ndarray, k: int, float_scales: bool = False) -> _Matrix:
+    def _matrix_of(self, kind: QType, raw: np.ndarray, k: int, shape: Shape) -> _Matrix:
         """Rows of ``k`` values of type ``kind`` as the file holds them (a row of ``raw`` each), uploaded in the
-        layout the type's kernel reads: the flat one, its half scales widened to float32 if ``float_scales``."""
-        n = raw.shape[0]
-        if kind not in FLAT_PARTS:
-            return _Matrix(kind, (self._buffer(raw),), n, k)
-        block, _ = GGML_QUANT_SIZES[kind]
-        blocks = raw.reshape(n, k // block, -1)
-        cuts = (*FLAT_PARTS[kind], blocks.shape[-1])
-        parts = [np.ascontiguousarray(blocks[..., a:b]) for a, b in itertools.pairwise(cuts)]
-        wide = float_scales and kind in HALF_SCALES
-        for i in HALF_SCALES[kind] if wide else ():
-            parts[i] = parts[i].view(np.float16).astype(np.float32)
-        return _Matrix(kind, tuple(self._buffer(part) for part in parts), n, k, wide)
+        layout the type's kernel reads in ``shape`` (``layout_parts``)."""
+        wide, lanes = shape.float_scales and kind in HALF_SCALES, shape.lanes and kind in LANES_TYPES
+        parts = layout_parts(kind, raw, k, wide, lanes)
+        return _Matrix(kind, tuple(self._buffer(part) for part in parts), raw.shape[0], k, wide or lanes, lanes)
 
     def _upload_angles(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
         """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), into the buffers of its base."""
@@ -613,6 +615,32 @@ LAYER_PRODUCTS = (
 )
 
 
+def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes: bool) -> list[np.ndarray]:
+    """The buffers of rows of ``k`` values of type ``kind`` as the file holds them (a row of ``raw`` each), in
+    the layout its kernel reads: as they are for F32 and F16, else the flat one (FLAT_PARTS), its half scales
+    widened to float32 if ``float_scales``; with ``lanes`` (LANES_TYPES, scales widened), each part's rows in
+    groups of LANES, zero rows padding the last, and within a group a block's values for the LANES rows side
+    by side (``products.cl``)."""
+    n = raw.shape[0]
+    if kind not in FLAT_PARTS:
+        return [raw]
+    block, _ = GGML_QUANT_SIZES[kind]
+    blocks = raw.reshape(n, k // block, -1)
+    cuts = (*FLAT_PARTS[kind], blocks.shape[-1])
+    parts = [np.ascontiguousarray(blocks[..., a:b]) for a, b in itertools.pairwise(cuts)]
+    for i in HALF_SCALES[kind] if float_scales or lanes else ():
+        parts[i] = parts[i].view(np.float16).astype(np.float32)
+    if not lanes:
+        return parts
+    groups = -(-n // LANES)
+    across = []
+    for part in parts:  # (rows, blocks, values of a block) -> (groups, blocks, values, LANES)
+        padded = np.zeros((groups * LANES, *part.shape[1:]), part.dtype)
+        padded[:n] = part
+        across.append(np.ascontiguousarray(padded.reshape(groups, LANES, *part.shape[1:]).transpose(0, 2, 3, 1)))
+    return across
+
+
 def _stacks(kinds: Sequence[MODEL_TENSOR], layer: int, types: dict[str, QType]) -> list[list[MODEL_TENSOR]]:
     """The matrices ``kinds`` of ``layer`` as products run them: stacked by rows in one where they share a type,
     else one each."""
@@ -634,6 +662,9 @@ def _uploaded_bytes(info: ModelInfo) -> int:
         elif t.name != tensor_name(MODEL_TENSOR.TOKEN_EMBD) or info.hparams.tied_embeddings:
             blocks = math.prod(t.shape) // GGML_QUANT_SIZES[t.type][0]
             total += t.nbytes + 2 * blocks * len(HALF_SCALES.get(t.type, ()))  # scales widened, if tuned so
+            if t.type in LANES_TYPES:  # and the lanes layout's zero rows, if tuned so (its scales widened)
+                row_bytes = (t.nbytes + 2 * blocks * len(HALF_SCALES[t.type])) // t.shape[1]
+                total += -t.shape[1] % LANES * row_bytes
     return total
 
 

@@ -3,8 +3,9 @@
 Each ``matvec_<type>`` kernel takes ``ROWS`` rows a work-item (2, 4 or 8, set when ``products.cl`` is
 built) and runs in work-groups of a size the driver picks or one we name; the types whose blocks carry
 half-precision scales read them as the file holds them, or widened to float32 at upload (more bytes, less
-arithmetic: a CPU device is bound by the second, a GPU by the first). Which is fastest depends on the
-device and on the matrix: a CPU driver such as PoCL wants few, long work-items in as many groups as it has
+arithmetic: a CPU device is bound by the second, a GPU by the first). Q4_0, Q4_1 and Q8_0 also come in the
+lanes layout (``matvec_<type>_lanes``): 16 rows a work-item, a row a vector lane, which a CPU device's wide
+vectors want. Which is fastest depends on the device and on the matrix: a CPU driver such as PoCL wants few, long work-items in as many groups as it has
 cores, a GPU many, in groups its schedulers fill, and a small matrix gives either less to share out. So the
 first load of a model times the shapes on each of its products' types and sizes (the layout first, then rows
 and group sizes in it: ``Timer.tune``), and keeps the fastest for each, in the cache folder under a digest
@@ -32,6 +33,9 @@ from edgeinfer.system import cache_dir
 
 ROWS_CHOICES = (2, 4, 8)
 LOCAL_CHOICES = (None, 32, 64)  # None: the driver's choice
+LANES = 16  # rows a work-item of the lanes layout, one a lane of its float16 sums
+# A lanes work-item does 16 rows' work, so its groups are smaller: SmolLM2's 576 rows are 36 work-items.
+LANES_LOCAL_CHOICES = (None, 1, 4)
 RUNS = 3  # timed runs of each shape, after one to warm up; the median counts
 FLUSH_BYTES = 64 << 20  # read before each timed run: more than the last-level cache of the devices we run
 FLUSH = """
@@ -44,16 +48,24 @@ __kernel void flush(__global const float4 *src, __global float *dst) {
 
 @dataclass(frozen=True)
 class Shape:
-    """Rows a work-item, work-items a group (None: the driver chooses), and whether the blocks' half scales
-    are uploaded as float32."""
+    """Rows a work-item, work-items a group (None: the driver chooses), whether the blocks' half scales
+    are uploaded as float32, and whether the rows lie across lanes (``products.cl``'s lanes layout, whose
+    scales are always float32)."""
 
     rows: int = 4
     local: int | None = None
     float_scales: bool = False
+    lanes: bool = False
+
+    @property
+    def layout(self) -> tuple[bool, bool]:
+        """What the matrix's upload depends on: float32 scales, and the lanes layout."""
+        return self.float_scales, self.lanes
 
     def defines(self) -> tuple[str, ...]:
-        """``products.cl``'s build options for this shape."""
-        return (f"-DROWS={self.rows}",) + (("-DSCALE_FLOAT",) if self.float_scales else ())
+        """``products.cl``'s build options for this shape (a lanes kernel's rows are fixed)."""
+        rows = () if self.lanes else (f"-DROWS={self.rows}",)
+        return rows + (("-DSCALE_FLOAT",) if self.float_scales else ())
 
     def global_size(self, n: int) -> int:
         """Work-items for ``n`` rows, rounded up to whole groups: the kernels skip rows past ``n``."""
@@ -65,12 +77,24 @@ class Shape:
         return None if self.local is None else (self.local, 1)
 
 
-SHAPES = tuple(Shape(rows, local, wide) for wide in (False, True) for rows in ROWS_CHOICES for local in LOCAL_CHOICES)
+FLAT_SHAPES = tuple(
+    Shape(rows, local, wide) for wide in (False, True) for rows in ROWS_CHOICES for local in LOCAL_CHOICES
+)
+LANES_SHAPES = tuple(Shape(LANES, local, True, True) for local in LANES_LOCAL_CHOICES)
+SHAPES = FLAT_SHAPES + LANES_SHAPES
 
 
-def shapes_for(half_scales: bool) -> tuple[Shape, ...]:
-    """The shapes to try for a type: float32 scales only where its blocks have half ones to widen."""
-    return SHAPES if half_scales else tuple(shape for shape in SHAPES if not shape.float_scales)
+def shapes_for(half_scales: bool, lanes: bool) -> tuple[Shape, ...]:
+    """The shapes to try for a type: float32 scales only where its blocks have half ones to widen, the lanes
+    layout only where it has a lanes kernel."""
+    flat = FLAT_SHAPES if half_scales else tuple(shape for shape in FLAT_SHAPES if not shape.float_scales)
+    return flat + (LANES_SHAPES if lanes else ())
+
+
+def first_shape(layout: tuple[bool, bool]) -> Shape:
+    """The shape a layout is timed in before its rows and groups are: the default rows, the driver's groups."""
+    float_scales, lanes = layout
+    return LANES_SHAPES[0] if lanes else Shape(float_scales=float_scales)
 
 
 def tuning_path(device: cl.Device, source: str) -> Path:
@@ -117,15 +141,17 @@ class Timer:
         cl.enqueue_fill_buffer(self.queue, self._flush_buffers[0], np.float32(1), 0, FLUSH_BYTES).wait()
         self._flush.set_args(*self._flush_buffers)
 
-    def tune(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], half_scales: bool) -> tuple[Shape, float]:
-        """The fastest shape of a product whose launch in a shape is ``launch(shape)`` (its kernel and the rows it
-        covers), and its median seconds: the scales' layout chosen first (where the type has half scales), at
-        the default rows and groups, then rows and groups in that layout, which times half the shapes that
-        trying every one would (a first load on PoCL: 21 s)."""
-        wide = False
-        with contextlib.suppress(cl.Error):  # the default shape refused: the file's layout; fastest() skips it
-            wide = half_scales and self._seconds(launch, Shape(float_scales=True)) < self._seconds(launch, Shape())
-        return self.fastest(launch, tuple(shape for shape in shapes_for(half_scales) if shape.float_scales == wide))
+    def tune(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shapes: tuple[Shape, ...]) -> tuple[Shape, float]:
+        """The fastest of ``shapes`` for a product whose launch in a shape is ``launch(shape)`` (its kernel and the
+        rows it covers), and its median seconds: the layout chosen first, each timed in its ``first_shape``, then
+        rows and groups in that layout, which times a fraction of the shapes that trying every one would (a
+        first load on PoCL: 21 s for the flat shapes alone)."""
+        timings = {}
+        for layout in dict.fromkeys(shape.layout for shape in shapes):
+            with contextlib.suppress(cl.Error):  # refused: fastest() skips it
+                timings[layout] = self._seconds(launch, first_shape(layout))
+        layout = min(timings, key=timings.__getitem__, default=shapes[0].layout)
+        return self.fastest(launch, tuple(shape for shape in shapes if shape.layout == layout))
 
     def fastest(
         self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shapes: tuple[Shape, ...]
@@ -161,9 +187,9 @@ class Timer:
 
 def _shape(fields: dict) -> Shape:
     local = None if fields["local"] is None else int(fields["local"])
-    if not isinstance(fields["float_scales"], bool):
-        raise ValueError(f"float_scales is not true or false: {fields['float_scales']!r}")
-    shape = Shape(int(fields["rows"]), local, fields["float_scales"])
+    if not isinstance(fields["float_scales"], bool) or not isinstance(fields["lanes"], bool):
+        raise ValueError(f"float_scales or lanes is not true or false: {fields!r}")
+    shape = Shape(int(fields["rows"]), local, fields["float_scales"], fields["lanes"])
     if shape not in SHAPES:
         raise ValueError(f"no such shape: {shape}")
     return shape

@@ -15,6 +15,7 @@ from edgeinfer.backends.base import CPU
 from edgeinfer.errors import EdgeInferError, InvalidOptionError
 from edgeinfer.files import atomic_path
 from edgeinfer.metrics import Metrics, percentile
+from edgeinfer.speculative import Speculation
 
 STAGES = ("tokenize", "prefill", "decode", "sample", "detokenize")
 _Note = Callable[[dict[str, float], str], str]  # a remark after a table cell, from its column's summary
@@ -61,6 +62,7 @@ class Outcome:
             "decode_tokens_per_s": statistics.median(m.tokens_per_s for m in runs),
             "peak_rss_bytes": self.peak_rss_bytes,
             "total_s": statistics.median(m.total_s for m in runs),
+            "drafts_kept": sum(m.accepted_tokens for m in runs) / max(1, sum(m.drafted_tokens for m in runs)),
         }
         for stage in STAGES:
             out[f"{stage}_s"] = statistics.median(getattr(m, f"{stage}_s") for m in runs)
@@ -82,6 +84,7 @@ class BenchReport:
     outcomes: list[Outcome]
     device: str = CPU
     gpu_layers: int = -1  # placed on ``device`` when it is a GPU (-1: all)
+    speculative: Speculation = Speculation.LOOKUP
 
     def to_dict(self) -> dict[str, Any]:
         first = self.outcomes[0].summary()
@@ -109,6 +112,7 @@ class BenchReport:
             "interleaved": self.interleaved,
             "device": self.device,
             "gpu_layers": self.gpu_layers,
+            "speculative": self.speculative.value,
             "configs": configs,
         }
 
@@ -119,8 +123,9 @@ class BenchReport:
         threads = "/".join(str(n) for n in sorted({o.threads for o in self.outcomes}))
         order = "configurations took turns run by run" if self.interleaved else "configurations ran one after another"
         layers = "all" if self.gpu_layers < 0 else self.gpu_layers
+        drafting = "one token a step" if self.speculative is Speculation.OFF else "lookup drafting"
         lines = [
-            f"{self.prompt_tokens}-token prompt, {self.gen_tokens} tokens generated (greedy), "
+            f"{self.prompt_tokens}-token prompt, {self.gen_tokens} tokens generated (greedy, {drafting}), "
             f"{self.runs} runs after 1 warm-up, {threads} thread{'s' * (threads != '1')}"
             + (f", {layers} layers on {self.device}" if self.device != CPU else "")
             + (f"; {order}" if len(self.outcomes) > 1 else ""),
@@ -151,6 +156,8 @@ class BenchReport:
             row(f"TPOT P{q}", f"tpot_p{q}_s", _duration)
         row("prefill", "prefill_tokens_per_s", _rate)
         row("decode", "decode_tokens_per_s", _rate)
+        if self.speculative is not Speculation.OFF:
+            row("drafts kept", "drafts_kept", lambda v: f"{v:.0%}")
         row("roofline", "roofline_tokens_per_s", _rate, _reached)
         row("peak RSS", "peak_rss_bytes", lambda v: f"{v / 2**20:,.0f} MiB")
         table.append(["time by stage:", *([""] * len(summaries))])

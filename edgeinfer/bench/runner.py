@@ -23,6 +23,7 @@ from edgeinfer.kv import MIN_KV_TOKENS
 from edgeinfer.metrics import Metrics
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import ModelInfo, load_model_info
+from edgeinfer.speculative import Speculation
 from edgeinfer.system import available_ram, child_env, thread_count
 
 BANDWIDTH_BUFFER_CAP = 2**30
@@ -42,12 +43,14 @@ def bench(
     threads: int | None = None,
     device: str = CPU,
     gpu_layers: int = -1,
+    speculative: Speculation = Speculation.LOOKUP,
     progress: Callable[[str], None] = lambda line: None,
 ) -> BenchReport:
     """Benchmark every model on every backend; see the package docstring for the method.
 
     Models are ``.gguf`` paths, catalog aliases or ``hf:`` references; backends are
-    registered names or ``"auto"``; ``device`` and ``gpu_layers`` are the engine's.
+    registered names or ``"auto"``; ``device``, ``gpu_layers`` and ``speculative`` (lookup or off) are the
+    engine's.
     Everything is checked before any worker starts.
     """
     for name, value, least in (("prompt_tokens", prompt_tokens, 1), ("gen_tokens", gen_tokens, 2), ("runs", runs, 1)):
@@ -111,6 +114,7 @@ def bench(
                     "threads": threads,
                     "device": device,
                     "gpu_layers": gpu_layers,
+                    "speculative": speculative.value,
                 }
                 worker = _Worker(config, job)
                 per_token, bandwidth = roofline[config]
@@ -134,7 +138,7 @@ def bench(
         finally:
             for worker, _ in workers:
                 worker.kill()
-    return BenchReport(prompt_tokens, gen_tokens, runs, interleaved, outcomes, device, gpu_layers)
+    return BenchReport(prompt_tokens, gen_tokens, runs, interleaved, outcomes, device, gpu_layers, speculative)
 
 
 def exact_prompt(model_path: Path, n: int) -> str:

@@ -35,7 +35,7 @@ def serve(commands: IO[str]) -> None:
         start = perf_counter()
         engine = Engine(
             job["path"], backend=job["backend"], kv_budget=f"{job['kv_tokens']}tok", kv_policy="error",
-            threads=job["threads"], device=job["device"], gpu_layers=job["gpu_layers"],
+            threads=job["threads"], device=job["device"], gpu_layers=job["gpu_layers"], speculative=job["speculative"],
         )  # fmt: skip
         load_s = perf_counter() - start
         with engine.stream(job["prompt"], **sampling) as warmup:

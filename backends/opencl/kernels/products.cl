@@ -166,6 +166,74 @@ __kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __g
     FOR_ROWS(BLOCKS_END)
 }
 
+// -- rows across lanes: Q4_0, Q4_1 and Q8_0 ----------------------------------------------------------------
+// The "lanes" layout: each work-item takes 16 rows, one a lane of float16 sums, so that every product of a code
+// and x is a 16-wide vector operation with x's value the same in each lane, and the work-item reads its rows'
+// blocks as one stream. Rows come in groups of 16 (the last group padded with zero rows), and within a group
+// block by block: a block's code byte p (p < 16 for 4 bits, 32 for Q8_0) for the group's 16 rows side by side,
+// then its 16 float32 scales (and Q4_1's 16 minimums, in a buffer of their own). On PoCL a 16384x8192 product
+// takes half the flat layout's time at 4 bits and 0.7 to 0.85 of it for Q8_0 (scripts/bench_opencl.py); a GPU
+// wants the flat one, and the timing (tuning.py) chooses.
+#define LANE_ROW0 (get_global_id(0) * 16)
+#define EACH_BYTE(STEP) STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7) STEP(8) STEP(9) STEP(10) \
+    STEP(11) STEP(12) STEP(13) STEP(14) STEP(15)
+// A block's 32 codes times x's (xb: the block's 32 values) into s, a row a lane: byte p's low nibbles are
+// element p, its high ones element p + 16 (as GGUF packs them); Q8_0's bytes 0-15 then 16-31. x's values are
+// read one at a time, which a CPU device broadcasts from memory: taken from a vector register instead, each
+// costs a shuffle, and the 4-bit products ran 1.3 times as long (scripts/bench_opencl.py).
+#define NIBBLES_X(p) { uint16 c = convert_uint16(vload16(codes + p, q)); s += convert_float16(c & 15u) * xb[p] + convert_float16(c >> 4) * xb[16 + p]; }
+#define BYTES_X(p) s += convert_float16(vload16(codes + p, q)) * xb[p] + convert_float16(vload16(codes + 16 + p, q)) * xb[16 + p];
+// The loop over a group's blocks, with the sum of x's block; `codes` in 16-byte vectors of q.
+#define FOR_LANE_BLOCKS(VECTORS, STEP)                                                                          \
+    size_t first = get_global_id(0) * (size_t)(k / 32);                                                     \
+    float16 acc = 0.0f;                                                                                     \
+    for (int b = 0; b < k / 32; b++) {                                                                      \
+        __global const float *xb = x + b * 32;                                                              \
+        float16 s = 0.0f;                                                                                   \
+        float block_sum = sum16(vload16(0, xb) + vload16(1, xb));                                           \
+        size_t codes = (first + b) * VECTORS;                                                               \
+        EACH_BYTE(STEP)                                                                                     \
+        LANE_BLOCK_END                                                                                      \
+    }                                                                                                       \
+    put_lanes(acc, y, bias, at, n);
+
+// The 16 rows' sums, written as PUT writes a row's (the rows past n left alone).
+void put_lanes(float16 acc, __global float *y, __global const float *bias, int at, int n) {
+    float sums[16];
+    vstore16(acc, 0, sums);
+    size_t r0 = LANE_ROW0;
+    for (int i = 0; i < 16 && r0 + i < n; i++) {
+#ifdef GATE
+        if (i % 2)
+            y[at + (r0 + i) / 2] = GATE(sums[i - 1]) * sums[i];
+#else
+        y[at + r0 + i] = bias ? sums[i] + bias[r0 + i] : sums[i];
+#endif
+    }
+}
+
+__kernel void matvec_q4_0_lanes(__global const float *d, __global const uchar *q, __global const float *x,
+                                __global float *y, __global const float *bias, int k, int at, int n) {
+#define LANE_BLOCK_END { float16 scale = vload16(first + b, d); acc += scale * (s - 8.0f * block_sum); }
+    FOR_LANE_BLOCKS(16, NIBBLES_X)
+#undef LANE_BLOCK_END
+}
+
+__kernel void matvec_q4_1_lanes(__global const float *d, __global const float *m, __global const uchar *q,
+                                __global const float *x, __global float *y, __global const float *bias, int k,
+                                int at, int n) {
+#define LANE_BLOCK_END acc += vload16(first + b, d) * s + vload16(first + b, m) * block_sum;
+    FOR_LANE_BLOCKS(16, NIBBLES_X)
+#undef LANE_BLOCK_END
+}
+
+__kernel void matvec_q8_0_lanes(__global const float *d, __global const char *q, __global const float *x,
+                                __global float *y, __global const float *bias, int k, int at, int n) {
+#define LANE_BLOCK_END acc += vload16(first + b, d) * s;
+    FOR_LANE_BLOCKS(32, BYTES_X)
+#undef LANE_BLOCK_END
+}
+
 // Q5_0: value = (q - 16) * d, q's low 4 bits packed as Q4_0's and its fifth bits in a 32-bit word a block
 // (bit j for element j): q of 16 elements from `first` on, given their low 4 bits.
 float16 q5_0_codes(float16 low, uint high, uint first) {
@@ -298,6 +366,44 @@ __kernel void dequantize_q8_0(__global const SCALE_T *d, __global const char *q,
     float scale = SCALE(d, b);
     vstore16(convert_float16(vload16(2 * b, q)) * scale, 2 * b, out);
     vstore16(convert_float16(vload16(2 * b + 1, q)) * scale, 2 * b + 1, out);
+}
+
+// The lanes layout's blocks (above), a work-item a row's block: row r of a group is lane r of each 16-byte
+// vector of codes and of the scales. Rows past n (a group's padding) are not written.
+#define LANE_BLOCK(VECTORS)                                                                                 \
+    size_t row = get_global_id(0) / (k / 32), b = get_global_id(0) % (k / 32), lane = row % 16;           \
+    if (row >= n)                                                                                           \
+        return;                                                                                             \
+    size_t block = (row / 16) * (k / 32) + b, codes = block * VECTORS * 16 + lane;                         \
+    float scale = d[block * 16 + lane];                                                                     \
+    __global float *w = out + row * k + b * 32;
+
+__kernel void dequantize_q4_0_lanes(__global const float *d, __global const uchar *q, __global float *out, int k,
+                                    int n) {
+    LANE_BLOCK(16)
+    for (int p = 0; p < 16; p++) {
+        uchar c = q[codes + 16 * p];
+        w[p] = ((c & 15) - 8.0f) * scale;
+        w[p + 16] = ((c >> 4) - 8.0f) * scale;
+    }
+}
+
+__kernel void dequantize_q4_1_lanes(__global const float *d, __global const float *m, __global const uchar *q,
+                                    __global float *out, int k, int n) {
+    LANE_BLOCK(16)
+    float least = m[block * 16 + lane];
+    for (int p = 0; p < 16; p++) {
+        uchar c = q[codes + 16 * p];
+        w[p] = (c & 15) * scale + least;
+        w[p + 16] = (c >> 4) * scale + least;
+    }
+}
+
+__kernel void dequantize_q8_0_lanes(__global const float *d, __global const char *q, __global float *out, int k,
+                                    int n) {
+    LANE_BLOCK(32)
+    for (int p = 0; p < 32; p++)
+        w[p] = q[codes + 16 * p] * scale;
 }
 
 __kernel void dequantize_q4_k(__global const ushort *d, __global const ushort *dmin, __global const uchar *scales,
