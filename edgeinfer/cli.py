@@ -1089,8 +1089,8 @@ def convert(
     type=click.Choice([Speculation.LOOKUP.value, Speculation.OFF.value]),
     default=Speculation.LOOKUP.value,
     show_default=True,
-    help="lookup: as an engine decodes by default (the prompt repeats, so drafts are often kept); off: one token "
-    "a step, each backend's own decode speed.",
+    help="lookup (an engine's default): draft tokens from the prompt and the answer so far (the bench's prompt "
+    "repeats, so most drafts are kept); off: one token a pass, each backend's own decode speed.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, with every run's figures.")
 @click.option(

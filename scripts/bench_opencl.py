@@ -22,7 +22,14 @@ import pyopencl as cl
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from edgeinfer.backends.opencl.backend import FLAT_PARTS, HALF_SCALES, KERNELS, LANES_TYPES, layout_parts
+from edgeinfer.backends.opencl.backend import (
+    FLAT_PARTS,
+    HALF_SCALES,
+    KERNELS,
+    LANES_TYPES,
+    kernel_name,
+    layout_parts,
+)
 from edgeinfer.backends.opencl.device import choose_device
 from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer, shapes_for
 
@@ -33,16 +40,14 @@ __kernel void copy(__global const float4 *src, __global float4 *dst) {
 """
 # Larger than a server CPU's last-level cache even at 4 bits (75 MB), so that the figures are the memory's.
 N, K = 16384, 8192
-# type: bytes of one 32-element block, as the backend's buffers hold it
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64, "f32": 128}
+KINDS = (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16, QType.F32)
 ROUNDS = 9
 
 
-def raw_blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
-    """An N x K matrix of ``kind`` as a GGUF holds it, a row of bytes each: random codes, small half scales."""
-    qtype = QType[kind.upper()]
-    if kind in ("f32", "f16"):
-        return rng.random((N, K)).astype(np.float32 if kind == "f32" else np.float16).view(np.uint8)
+def raw_blocks(qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """An N x K matrix of ``qtype`` as a GGUF holds it, a row of bytes each: random codes, small half scales."""
+    if qtype in (QType.F32, QType.F16):
+        return rng.random((N, K)).astype(np.float32 if qtype == QType.F32 else np.float16).view(np.uint8)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (N, K // block, size), np.uint8)
     for i in HALF_SCALES[qtype]:  # each half scale's two bytes, at the flat part's offset in the block
@@ -76,18 +81,22 @@ def main() -> None:
     }
     x = upload(rng.random(K, dtype=np.float32))
     y = cl.Buffer(context, cl.mem_flags.WRITE_ONLY, N * 4)
-    for kind, block in BLOCK_BYTES.items():
-        qtype = QType[kind.upper()]
+    for qtype in KINDS:
+        elements, size_of = GGML_QUANT_SIZES[qtype]
+        block = 32 // elements * size_of  # bytes of 32 elements in the file
         half_parts = len(HALF_SCALES.get(qtype, ()))
         tried = shapes_for(half_parts > 0, qtype in LANES_TYPES)
-        raw = raw_blocks(kind, rng)
+        raw = raw_blocks(qtype, rng)
         layouts = {
-            shape.layout: [upload(part) for part in layout_parts(qtype, raw, K, *shape.layout)] for shape in tried
+            layout: [upload(part) for part in layout_parts(qtype, raw, K, *layout)]
+            for layout in dict.fromkeys(shape.layout for shape in tried)
         }
         del raw
 
-        def launch(shape: Shape, kind: str = kind, layouts: dict = layouts) -> tuple[cl.Kernel, int]:
-            kernel = cl.Kernel(programs[shape.defines()], f"matvec_{kind}" + ("_lanes" if shape.lanes else ""))
+        def launch(
+            shape: Shape, qtype: QType = qtype, layouts: dict[tuple[bool, bool], list[cl.Buffer]] = layouts
+        ) -> tuple[cl.Kernel, int]:
+            kernel = cl.Kernel(programs[shape.defines()], kernel_name("matvec", qtype, shape.lanes))
             kernel.set_args(*layouts[shape.layout], x, y, None, np.int32(K), np.int32(0), np.int32(N))
             return kernel, N
 
@@ -104,7 +113,7 @@ def main() -> None:
         groups = f"groups of {shape.local}" if shape.local else "groups the driver chose"
         layout = "lanes" if shape.lanes else f"{shape.rows} rows a work-item"
         print(
-            f"  {kind:<5} {N}x{K}: {seconds * 1e6:6.0f} us  {read / seconds / 1e9:5.1f} GB/s  {share:4.0%} of the"
+            f"  {qtype.name:<5} {N}x{K}: {seconds * 1e6:6.0f} us  {read / seconds / 1e9:5.1f} GB/s  {share:4.0%} of the"
             f" copy's {stream / 1e9:4.1f} GB/s (the file's bytes: {share * block / block_read:4.0%})"
             f"  {layout}, {groups}, {'float32' if shape.float_scales else 'half'} scales"
         )

@@ -68,6 +68,7 @@ def test_two_configurations_side_by_side_as_json(runner, model_path):
             assert (run["prompt_tokens"], run["cached_tokens"], run["output_tokens"]) == (16, 0, 8)
             assert len(run["token_times_s"]) == 8 and run["kv_evicted"] == 0
             assert run["drafted_tokens"] == 0  # one token a step
+        assert "acceptance_rate" not in s
     assert set(first["ratios"].values()) == {1.0}
     assert second["ratios"]["decode_tokens_per_s"] == pytest.approx(
         second["summary"]["decode_tokens_per_s"] / first["summary"]["decode_tokens_per_s"]
@@ -95,7 +96,17 @@ def test_the_table_for_people():
     assert rows["TTFT"].count(" ms") + rows["TTFT"].count(" s") == 2
     assert rows["decode"].split()[0].replace(",", "").replace(".", "").isdigit()
     assert rows["  prefill"].count("%)") == 2 and "MiB" in rows["peak RSS"]
-    assert rows["drafts kept"].count("%") == 2
+    kept = rows["drafts kept"].split()  # a share of drafted tokens, or "-" where none were drafted
+    assert len(kept) == 2 and all(cell == "-" or 0 <= float(cell.rstrip("%")) <= 100 for cell in kept)
+
+
+def test_a_draft_model_is_refused_before_any_worker_starts():
+    from edgeinfer.bench.runner import bench
+    from edgeinfer.errors import InvalidOptionError
+    from edgeinfer.speculative import Speculation
+
+    with pytest.raises(InvalidOptionError, match="choose lookup or off"):
+        bench(["smollm2-135m"], speculative=Speculation.DRAFT)
 
 
 def test_a_worker_that_fails_is_one_line(runner, model_path, tmp_path):

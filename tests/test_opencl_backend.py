@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conformance_models import kld, top1
+from gguf import GGMLQuantizationType
 from tiny_model import write_tiny_gguf
 
 from edgeinfer import BackendUnavailableError, Engine
@@ -24,7 +25,7 @@ from support import reference_copies
 
 cl = pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
 try:
-    from edgeinfer.backends.opencl.backend import Launch, OpenCLBackend
+    from edgeinfer.backends.opencl.backend import HALF_SCALES, LANES_TYPES, Launch, OpenCLBackend
     from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
     from edgeinfer.backends.opencl.tuning import LANES_SHAPES, Shape, first_shape
 except BackendUnavailableError as exc:
@@ -128,8 +129,8 @@ TYPE_LAYOUTS = [
     pytest.param(t, LAYOUTS[name], id=f"{t}-{name}")
     for t in KERNEL_TYPES
     for name in ["half-scales"]
-    + (["float-scales"] if t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0") else [])
-    + (["lanes"] if t in ("Q4_0", "Q4_1", "Q8_0") else [])
+    + (["float-scales"] if GGMLQuantizationType[t] in HALF_SCALES else [])
+    + (["lanes"] if GGMLQuantizationType[t] in LANES_TYPES else [])
 ]
 
 
@@ -152,7 +153,6 @@ def test_the_lanes_kernels_add_the_biases(tmp_path, monkeypatch, type_name):
 def _agrees_with_the_reference(tmp_path, monkeypatch, type_name: str, arch: str, shape: Shape) -> None:
     import tiny_model
     from conformance_models import write_sharp_gguf
-    from gguf import GGMLQuantizationType
 
     from edgeinfer.backends.opencl import tuning
     from edgeinfer.converters import quantize
@@ -175,13 +175,11 @@ def _agrees_with_the_reference(tmp_path, monkeypatch, type_name: str, arch: str,
 @pytest.mark.parametrize("type_name", KERNEL_TYPES)
 def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, type_name):
     """The tuning picks the layout, rows a work-item and group sizes by speed, so each machine may run another
-    shape: every shape gives the product of the file's weights, and writes no row past the matrix's (203 rows:
-    the last work-item of 2, 4, 8 or 16 rows has rows past the end, and no group size divides them). A chunk's
-    dequantized matrix is the file's in every layout too."""
-    from gguf import GGMLQuantizationType
+    shape: every shape gives the product of the file's weights, with a bias and with the FFN's gate too, and
+    writes no row past the matrix's (203 rows, 202 gated: the last work-item of 2, 4, 8 or 16 rows has rows past
+    the end, and no group size divides them). A chunk's dequantized matrix is the file's in every layout too."""
     from gguf.quants import dequantize
 
-    from edgeinfer.backends.opencl.backend import HALF_SCALES, LANES_TYPES
     from edgeinfer.backends.opencl.tuning import shapes_for
     from edgeinfer.converters import quantize
 
@@ -198,17 +196,29 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
     shapes = shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
     assert any(shape.lanes for shape in shapes) == (kind in LANES_TYPES)
+    bias = rng.standard_normal(n).astype(np.float32)
+    gated = truth[0:-1:2] / (1 + np.exp(-truth[0:-1:2])) * truth[1::2]  # SiLU(row 2i) * row 2i + 1, 101 pairs
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
-        layouts = {shape.layout: backend._matrix_of(kind, raw, k, shape) for shape in shapes}
-        xs, y = backend._buffer(x), backend._scratch(4 * (n + past))
-        for shape in shapes:
-            matrix = layouts[shape.layout]
+        kept = dict.fromkeys(shape.layout for shape in shapes)
+        layouts = {layout: backend._matrix_of(kind, raw, k, first_shape(layout)) for layout in kept}
+        pairs = {layout: backend._matrix_of(kind, raw[:-1], k, first_shape(layout)) for layout in kept}
+        xs, y, biases = backend._buffer(x), backend._scratch(4 * (n + past)), backend._buffer(bias)
+
+        def product(matrix, shape: Shape, written: int, **how) -> np.ndarray:
             cl.enqueue_copy(backend._queue, y, np.full(n + past, np.nan, np.float32))  # what a shape leaves shows
-            backend._matvec(matrix, xs, y, None, 0, shape).enqueue(backend._queue)
+            backend._matvec(matrix, xs, y, how.get("bias"), 0, shape, how.get("gate")).enqueue(backend._queue)
             out = np.empty(n + past, np.float32)
             cl.enqueue_copy(backend._queue, out, y)
-            assert np.abs(out[:n] - truth).max() <= 1e-4 * np.abs(truth).max(), shape
-            assert np.isnan(out[n:]).all(), shape
+            assert np.isnan(out[written:]).all(), shape
+            return out[:written]
+
+        for shape in shapes:
+            for out, want in (
+                (product(layouts[shape.layout], shape, n), truth),
+                (product(layouts[shape.layout], shape, n, bias=biases), truth + bias),
+                (product(pairs[shape.layout], shape, len(gated), gate="silu"), gated),
+            ):
+                assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max(), shape
         backend._dequantized = backend._scratch(4 * n * k)  # the tiny model's own is smaller
         for layout, matrix in layouts.items():
             if matrix.type == GGMLQuantizationType.F32:
@@ -249,6 +259,28 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:  # timed again: maybe not alike
         assert set(backend._shapes) == set(shapes) and len(timed) == len(shapes)
     assert tuning.recorded_shapes(record) == backend._shapes
+
+
+def test_a_recorded_shape_the_type_cannot_take_is_measured_again(tmp_path, monkeypatch):
+    """A record edited by hand (or by a bug) that gives an F16 product the lanes layout, which only Q4_0, Q4_1
+    and Q8_0 have, is timed again instead of being run in a layout its blocks are not in."""
+    import json
+
+    from edgeinfer.backends.opencl import tuning
+
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", tensor_type="F16"))
+    OpenCLBackend(info, BackendOptions(kv_tokens=16)).close()  # times and records every product
+    (record,) = (tmp_path / "cache" / "opencl").glob("shapes-*.json")
+    fields = json.loads(record.read_text())
+    fields["F16 128x128"] = {"rows": 16, "local": None, "float_scales": True, "lanes": True}
+    record.write_text(json.dumps(fields))
+    timed = []
+    real = tuning.Timer.tune
+    monkeypatch.setattr(tuning.Timer, "tune", lambda self, *args: timed.append(1) or real(self, *args))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+        assert len(timed) == 1 and not backend._shapes["F16 128x128"].lanes
+        assert backend.eval([Span(0, 0, [3])])[0].shape == (info.hparams.n_vocab,)
 
 
 def test_attention_split_over_a_long_context_agrees_with_the_reference(tmp_path):

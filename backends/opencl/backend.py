@@ -44,7 +44,17 @@ from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 from ..base import ARGMAX_NOT_FINITE, CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 from ..cells import CellPool, PooledBackend
 from .device import INSTALL_HINT, choose_device, opencl_devices
-from .tuning import LANES, Shape, Timer, record_shapes, recorded_shapes, shape_key, shapes_for, tuning_path
+from .tuning import (
+    LANES,
+    Shape,
+    Timer,
+    first_shape,
+    record_shapes,
+    recorded_shapes,
+    shape_key,
+    shapes_for,
+    tuning_path,
+)
 
 if not opencl_devices():  # as a backend whose library is missing: it cannot load here, whatever the model
     raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
@@ -85,12 +95,11 @@ class _Matrix:
     buffers: tuple[cl.Buffer, ...]
     n: int
     k: int
-    float_scales: bool = False  # its half scales widened to float32 (HALF_SCALES)
-    lanes: bool = False  # in the lanes layout (LANES_TYPES), its kernels' names ending in _lanes
+    lanes: bool = False  # in the lanes layout (LANES_TYPES)
 
     def kernel(self, name: str) -> str:
         """The kernel ``name`` (matvec, dequantize) of this matrix's type and layout."""
-        return f"{name}_{self.type.name.lower()}" + ("_lanes" if self.lanes else "")
+        return kernel_name(name, self.type, self.lanes)
 
 
 @dataclass(frozen=True)
@@ -446,7 +455,8 @@ class OpenCLBackend(PooledBackend):
         model's own matrices (``tuning.py``) and recorded."""
         path = tuning_path(self._cl_device, (KERNELS / "products.cl").read_text())
         shapes, products = recorded_shapes(path), self._products_of(info)
-        missing = {key: names for key, names in products.items() if key not in shapes}
+        tried = {key: _shapes_of(tensors[names[0]].type) for key, names in products.items()}
+        missing = {key: names for key, names in products.items() if shapes.get(key) not in tried[key]}
         if missing:
             timer = Timer(self._context)
             for done, (key, names) in enumerate(missing.items()):
@@ -458,17 +468,23 @@ class OpenCLBackend(PooledBackend):
                     len(missing),
                     extra={"progress": done + 1 < len(missing)},  # rewritten in place on a terminal (notes.py)
                 )
-                kind = tensors[names[0]].type
-                tried = shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
-                layouts = {shape.layout: self._upload_matrix(tensors, names, shape) for shape in tried}
+                layouts = {
+                    layout: self._upload_matrix(tensors, names, first_shape(layout))
+                    for layout in dict.fromkeys(shape.layout for shape in tried[key])
+                }
                 x = self._buffer(np.ones(tensors[names[0]].shape[0], np.float32))
                 y = self._scratch(4 * sum(tensors[name].shape[1] for name in names))
 
-                def launch(shape: Shape, layouts: dict = layouts, x: cl.Buffer = x, y: cl.Buffer = y):
+                def launch(
+                    shape: Shape,
+                    layouts: dict[tuple[bool, bool], _Matrix] = layouts,
+                    x: cl.Buffer = x,
+                    y: cl.Buffer = y,
+                ) -> tuple[cl.Kernel, int]:
                     matrix = layouts[shape.layout]
                     return self._matvec(matrix, x, y, None, 0, shape).kernel, matrix.n
 
-                shapes[key], _ = timer.tune(launch, tried)
+                shapes[key], _ = timer.tune(launch, tried[key])
             record_shapes(path, shapes)  # with other models' sizes: the record is the device's
         return {key: shapes[key] for key in products}
 
@@ -525,11 +541,12 @@ class OpenCLBackend(PooledBackend):
         dequantize, weights = None, matrix.buffers[0]
         if matrix.type != QType.F32:
             items = matrix.n * matrix.k // DEQUANTIZED_PER_ITEM.get(matrix.type, 32)
-            sizes = (np.int32(matrix.k), np.int32(matrix.n)) if matrix.lanes else ()  # where a row's blocks lie
+            sizes = (np.int32(matrix.k),) if matrix.lanes else ()  # where a row's blocks lie
+            # Built as the matrix's layout (build=shape) was.
             dequantize = self._launch(
                 "products.cl", matrix.kernel("dequantize"), items, *matrix.buffers, self._dequantized, *sizes,
                 build=shape, gate=gate,
-            )  # fmt: skip  # the program of the matrix's layout
+            )  # fmt: skip
             weights = self._dequantized
         args = (weights, x[0], y[0], bias, np.int32(matrix.k), np.int32(matrix.n), np.int32(1), np.int32(x[1]),
                 np.int32(y[1]), np.int32(at))  # fmt: skip
@@ -552,9 +569,8 @@ class OpenCLBackend(PooledBackend):
     def _matrix_of(self, kind: QType, raw: np.ndarray, k: int, shape: Shape) -> _Matrix:
         """Rows of ``k`` values of type ``kind`` as the file holds them (a row of ``raw`` each), uploaded in the
         layout the type's kernel reads in ``shape`` (``layout_parts``)."""
-        wide, lanes = shape.float_scales and kind in HALF_SCALES, shape.lanes and kind in LANES_TYPES
-        parts = layout_parts(kind, raw, k, wide, lanes)
-        return _Matrix(kind, tuple(self._buffer(part) for part in parts), raw.shape[0], k, wide or lanes, lanes)
+        parts = layout_parts(kind, raw, k, shape.float_scales and kind in HALF_SCALES, shape.lanes)
+        return _Matrix(kind, tuple(self._buffer(part) for part in parts), raw.shape[0], k, shape.lanes)
 
     def _upload_angles(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
         """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), into the buffers of its base."""
@@ -615,10 +631,15 @@ LAYER_PRODUCTS = (
 )
 
 
+def kernel_name(name: str, kind: QType, lanes: bool) -> str:
+    """``products.cl``'s kernel ``name`` (matvec, dequantize) for matrices of ``kind``, in the lanes layout or not."""
+    return f"{name}_{kind.name.lower()}" + ("_lanes" if lanes else "")
+
+
 def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes: bool) -> list[np.ndarray]:
     """The buffers of rows of ``k`` values of type ``kind`` as the file holds them (a row of ``raw`` each), in
     the layout its kernel reads: as they are for F32 and F16, else the flat one (FLAT_PARTS), its half scales
-    widened to float32 if ``float_scales``; with ``lanes`` (LANES_TYPES, scales widened), each part's rows in
+    widened to float32 if ``float_scales``; with ``lanes`` (LANES_TYPES, and float32 scales), each part's rows in
     groups of LANES, zero rows padding the last, and within a group a block's values for the LANES rows side
     by side (``products.cl``)."""
     n = raw.shape[0]
@@ -628,7 +649,7 @@ def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes
     blocks = raw.reshape(n, k // block, -1)
     cuts = (*FLAT_PARTS[kind], blocks.shape[-1])
     parts = [np.ascontiguousarray(blocks[..., a:b]) for a, b in itertools.pairwise(cuts)]
-    for i in HALF_SCALES[kind] if float_scales or lanes else ():
+    for i in HALF_SCALES[kind] if float_scales else ():
         parts[i] = parts[i].view(np.float16).astype(np.float32)
     if not lanes:
         return parts
@@ -639,6 +660,11 @@ def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes
         padded[:n] = part
         across.append(np.ascontiguousarray(padded.reshape(groups, LANES, *part.shape[1:]).transpose(0, 2, 3, 1)))
     return across
+
+
+def _shapes_of(kind: QType) -> tuple[Shape, ...]:
+    """The shapes a product of ``kind`` may run in: a record of another (edited by hand, say) is measured again."""
+    return shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
 
 
 def _stacks(kinds: Sequence[MODEL_TENSOR], layer: int, types: dict[str, QType]) -> list[list[MODEL_TENSOR]]:

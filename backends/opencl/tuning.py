@@ -5,8 +5,9 @@ built) and runs in work-groups of a size the driver picks or one we name; the ty
 half-precision scales read them as the file holds them, or widened to float32 at upload (more bytes, less
 arithmetic: a CPU device is bound by the second, a GPU by the first). Q4_0, Q4_1 and Q8_0 also come in the
 lanes layout (``matvec_<type>_lanes``): 16 rows a work-item, a row a vector lane, which a CPU device's wide
-vectors want. Which is fastest depends on the device and on the matrix: a CPU driver such as PoCL wants few, long work-items in as many groups as it has
-cores, a GPU many, in groups its schedulers fill, and a small matrix gives either less to share out. So the
+vectors want. Which is fastest depends on the device and on the matrix: a CPU driver such as PoCL wants few,
+long work-items in as many groups as it has cores, a GPU many, in groups its schedulers fill, and a small
+matrix gives either less to share out. So the
 first load of a model times the shapes on each of its products' types and sizes (the layout first, then rows
 and group sizes in it: ``Timer.tune``), and keeps the fastest for each, in the cache folder under a digest
 of the device, its driver and the kernels' source: a new driver or a changed kernel measures again. A decode
@@ -80,7 +81,7 @@ class Shape:
 FLAT_SHAPES = tuple(
     Shape(rows, local, wide) for wide in (False, True) for rows in ROWS_CHOICES for local in LOCAL_CHOICES
 )
-LANES_SHAPES = tuple(Shape(LANES, local, True, True) for local in LANES_LOCAL_CHOICES)
+LANES_SHAPES = tuple(Shape(LANES, local, float_scales=True, lanes=True) for local in LANES_LOCAL_CHOICES)
 SHAPES = FLAT_SHAPES + LANES_SHAPES
 
 

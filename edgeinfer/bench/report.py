@@ -48,7 +48,8 @@ class Outcome:
     read_bandwidth: float | None = None  # bytes/s
 
     def summary(self) -> dict[str, float]:
-        """The headline figures: medians over runs, TPOT percentiles over every token of every run."""
+        """The headline figures: medians over runs, TPOT percentiles over every token of every run, and the share
+        of drafted tokens kept over every run (where any were drafted)."""
         runs = self.runs
         gaps = [gap for m in runs for gap in m.token_gaps_s]
         out = {
@@ -62,8 +63,10 @@ class Outcome:
             "decode_tokens_per_s": statistics.median(m.tokens_per_s for m in runs),
             "peak_rss_bytes": self.peak_rss_bytes,
             "total_s": statistics.median(m.total_s for m in runs),
-            "drafts_kept": sum(m.accepted_tokens for m in runs) / max(1, sum(m.drafted_tokens for m in runs)),
         }
+        drafted = sum(m.drafted_tokens for m in runs)
+        if drafted:  # over every run's drafts, not a median: a run may draft a handful
+            out["acceptance_rate"] = sum(m.accepted_tokens for m in runs) / drafted
         for stage in STAGES:
             out[f"{stage}_s"] = statistics.median(getattr(m, f"{stage}_s") for m in runs)
         # What no stage covers: the engine's bookkeeping, and the caller's time between tokens.
@@ -137,14 +140,16 @@ class BenchReport:
             ["", *(o.config.backend for o in self.outcomes)],
         ]
 
-        def row(label: str, key: str, show: Callable[[float], str], note: _Note | None = None) -> None:
+        def row(
+            label: str, key: str, show: Callable[[float], str], note: _Note | None = None, ratio: bool = True
+        ) -> None:
             cells = [label]
             for i, s in enumerate(summaries):
                 if key not in s:
                     cells.append("-")
                     continue
                 cell = show(s[key]) + (note(s, key) if note else "")
-                if i > 0 and first.get(key):
+                if ratio and i > 0 and first.get(key):
                     cell += f"  {s[key] / first[key]:.2f}x"
                 cells.append(cell)
             table.append(cells)
@@ -156,8 +161,8 @@ class BenchReport:
             row(f"TPOT P{q}", f"tpot_p{q}_s", _duration)
         row("prefill", "prefill_tokens_per_s", _rate)
         row("decode", "decode_tokens_per_s", _rate)
-        if self.speculative is not Speculation.OFF:
-            row("drafts kept", "drafts_kept", lambda v: f"{v:.0%}")
+        if self.speculative is not Speculation.OFF:  # "-" where nothing was drafted
+            row("drafts kept", "acceptance_rate", lambda v: f"{v:.0%}", ratio=False)
         row("roofline", "roofline_tokens_per_s", _rate, _reached)
         row("peak RSS", "peak_rss_bytes", lambda v: f"{v / 2**20:,.0f} MiB")
         table.append(["time by stage:", *([""] * len(summaries))])

@@ -56,6 +56,8 @@ def bench(
     for name, value, least in (("prompt_tokens", prompt_tokens, 1), ("gen_tokens", gen_tokens, 2), ("runs", runs, 1)):
         if value < least:
             raise InvalidOptionError(f"{name} must be at least {least}, got {value}")
+    if speculative not in (Speculation.LOOKUP, Speculation.OFF):
+        raise InvalidOptionError(f"bench drafts by lookup or not at all, not {speculative.value}: choose lookup or off")
     threads = thread_count(threads)  # as the engine will
     if not models:
         raise InvalidOptionError("name at least one model to benchmark")

@@ -180,11 +180,14 @@ __kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __g
 // A block's 32 codes times x's (xb: the block's 32 values) into s, a row a lane: byte p's low nibbles are
 // element p, its high ones element p + 16 (as GGUF packs them); Q8_0's bytes 0-15 then 16-31. x's values are
 // read one at a time, which a CPU device broadcasts from memory: taken from a vector register instead, each
-// costs a shuffle, and the 4-bit products ran 1.3 times as long (scripts/bench_opencl.py).
+// costs a shuffle, and the 4-bit products ran 1.2 to 1.3 times as long (docs/BENCHMARKS.md).
 #define NIBBLES_X(p) { uint16 c = convert_uint16(vload16(codes + p, q)); s += convert_float16(c & 15u) * xb[p] + convert_float16(c >> 4) * xb[16 + p]; }
 #define BYTES_X(p) s += convert_float16(vload16(codes + p, q)) * xb[p] + convert_float16(vload16(codes + 16 + p, q)) * xb[16 + p];
-// The loop over a group's blocks, with the sum of x's block; `codes` in 16-byte vectors of q.
+// The loop over a group's blocks, with the sum of x's block; `codes` in 16-byte vectors of q. A work-item past
+// the last group (whole work-groups round the count up) reads nothing.
 #define FOR_LANE_BLOCKS(VECTORS, STEP)                                                                          \
+    if (LANE_ROW0 >= n)                                                                                     \
+        return;                                                                                             \
     size_t first = get_global_id(0) * (size_t)(k / 32);                                                     \
     float16 acc = 0.0f;                                                                                     \
     for (int b = 0; b < k / 32; b++) {                                                                      \
@@ -368,18 +371,15 @@ __kernel void dequantize_q8_0(__global const SCALE_T *d, __global const char *q,
     vstore16(convert_float16(vload16(2 * b + 1, q)) * scale, 2 * b + 1, out);
 }
 
-// The lanes layout's blocks (above), a work-item a row's block: row r of a group is lane r of each 16-byte
-// vector of codes and of the scales. Rows past n (a group's padding) are not written.
+// The lanes layout's blocks (above), a work-item a row's block (n * k / 32 of them, so a group's padding
+// rows are never reached): row r of a group is lane r of each 16-byte vector of codes and of the scales.
 #define LANE_BLOCK(VECTORS)                                                                                 \
     size_t row = get_global_id(0) / (k / 32), b = get_global_id(0) % (k / 32), lane = row % 16;           \
-    if (row >= n)                                                                                           \
-        return;                                                                                             \
     size_t block = (row / 16) * (k / 32) + b, codes = block * VECTORS * 16 + lane;                         \
     float scale = d[block * 16 + lane];                                                                     \
     __global float *w = out + row * k + b * 32;
 
-__kernel void dequantize_q4_0_lanes(__global const float *d, __global const uchar *q, __global float *out, int k,
-                                    int n) {
+__kernel void dequantize_q4_0_lanes(__global const float *d, __global const uchar *q, __global float *out, int k) {
     LANE_BLOCK(16)
     for (int p = 0; p < 16; p++) {
         uchar c = q[codes + 16 * p];
@@ -389,7 +389,7 @@ __kernel void dequantize_q4_0_lanes(__global const float *d, __global const ucha
 }
 
 __kernel void dequantize_q4_1_lanes(__global const float *d, __global const float *m, __global const uchar *q,
-                                    __global float *out, int k, int n) {
+                                    __global float *out, int k) {
     LANE_BLOCK(16)
     float least = m[block * 16 + lane];
     for (int p = 0; p < 16; p++) {
@@ -399,8 +399,7 @@ __kernel void dequantize_q4_1_lanes(__global const float *d, __global const floa
     }
 }
 
-__kernel void dequantize_q8_0_lanes(__global const float *d, __global const char *q, __global float *out, int k,
-                                    int n) {
+__kernel void dequantize_q8_0_lanes(__global const float *d, __global const char *q, __global float *out, int k) {
     LANE_BLOCK(32)
     for (int p = 0; p < 32; p++)
         w[p] = q[codes + 16 * p] * scale;
