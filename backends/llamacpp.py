@@ -686,5 +686,8 @@ class LlamaCppBackend:
             self._model = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
+        # Not contextlib.suppress: interpreter shutdown may have set this module's globals to None already.
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # nothing can be reported from a finalizer
+            pass

@@ -211,8 +211,11 @@ class Tokenizer:
                 self._vocabulary = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the module down already
+        # Not contextlib.suppress: interpreter shutdown may have set this module's globals to None already.
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # nothing can be reported from a finalizer
+            pass
 
 
 def _rebuilt_vocabulary(path: str | Path) -> GGUFVocabulary:
