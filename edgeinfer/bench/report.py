@@ -129,7 +129,7 @@ class BenchReport:
         drafting = "one token a step" if self.speculative is Speculation.OFF else "lookup drafting"
         lines = [
             f"{self.prompt_tokens}-token prompt, {self.gen_tokens} tokens generated (greedy, {drafting}), "
-            f"{self.runs} runs after 1 warm-up, {threads} thread{'s' * (threads != '1')}"
+            f"{self.runs} run{'s' * (self.runs != 1)} after 1 warm-up, {threads} thread{'s' * (threads != '1')}"
             + (f", {layers} layers on {self.device}" if self.device != CPU else "")
             + (f"; {order}" if len(self.outcomes) > 1 else ""),
             "medians over runs; TPOT percentiles over every token; ratios are to the first column",
