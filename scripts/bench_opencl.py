@@ -26,12 +26,12 @@ from edgeinfer.backends.opencl.backend import (
     FLAT_PARTS,
     HALF_SCALES,
     KERNELS,
-    LANES_TYPES,
     kernel_name,
     layout_parts,
+    shapes_of,
 )
 from edgeinfer.backends.opencl.device import choose_device
-from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer, shapes_for
+from edgeinfer.backends.opencl.tuning import SHAPES, Shape, Timer
 
 COPY = """
 __kernel void copy(__global const float4 *src, __global float4 *dst) {
@@ -85,7 +85,7 @@ def main() -> None:
         elements, size_of = GGML_QUANT_SIZES[qtype]
         block = 32 // elements * size_of  # bytes of 32 elements in the file
         half_parts = len(HALF_SCALES.get(qtype, ()))
-        tried = shapes_for(half_parts > 0, qtype in LANES_TYPES)
+        tried = shapes_of(qtype)
         raw = raw_blocks(qtype, rng)
         layouts = {
             layout: [upload(part) for part in layout_parts(qtype, raw, K, *layout)]

@@ -180,7 +180,7 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     the end, and no group size divides them). A chunk's dequantized matrix is the file's in every layout too."""
     from gguf.quants import dequantize
 
-    from edgeinfer.backends.opencl.tuning import shapes_for
+    from edgeinfer.backends.opencl.backend import shapes_of
     from edgeinfer.converters import quantize
 
     kind = GGMLQuantizationType[type_name]
@@ -194,7 +194,7 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
     w = dequantize(raw, kind).reshape(n, k)
     truth = w.astype(np.float64) @ (x := rng.standard_normal(k).astype(np.float32))
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
-    shapes = shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
+    shapes = shapes_of(kind)
     assert any(shape.lanes for shape in shapes) == (kind in LANES_TYPES)
     bias = rng.standard_normal(n).astype(np.float32)
     gated = truth[0:-1:2] / (1 + np.exp(-truth[0:-1:2])) * truth[1::2]  # SiLU(row 2i) * row 2i + 1, 101 pairs
@@ -223,8 +223,8 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
         for layout, matrix in layouts.items():
             if matrix.type == GGMLQuantizationType.F32:
                 continue  # multiplied as it is
-            product = backend._product(matrix, first_shape(layout), (xs, k), (y, n), None, 0)
-            product.dequantize.enqueue(backend._queue)
+            chunk = backend._product(matrix, first_shape(layout), (xs, k), (y, n), None, 0)
+            chunk.dequantize.enqueue(backend._queue)
             dequantized = np.empty((n, k), np.float32)
             cl.enqueue_copy(backend._queue, dequantized, backend._dequantized)
             np.testing.assert_array_equal(dequantized, w, err_msg=str(layout))

@@ -455,7 +455,7 @@ class OpenCLBackend(PooledBackend):
         model's own matrices (``tuning.py``) and recorded."""
         path = tuning_path(self._cl_device, (KERNELS / "products.cl").read_text())
         shapes, products = recorded_shapes(path), self._products_of(info)
-        tried = {key: _shapes_of(tensors[names[0]].type) for key, names in products.items()}
+        tried = {key: shapes_of(tensors[names[0]].type) for key, names in products.items()}
         missing = {key: names for key, names in products.items() if shapes.get(key) not in tried[key]}
         if missing:
             timer = Timer(self._context)
@@ -662,8 +662,9 @@ def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes
     return across
 
 
-def _shapes_of(kind: QType) -> tuple[Shape, ...]:
-    """The shapes a product of ``kind`` may run in: a record of another (edited by hand, say) is measured again."""
+def shapes_of(kind: QType) -> tuple[Shape, ...]:
+    """The shapes a product of ``kind`` may run in (``shapes_for``): a record of another (edited by hand, say)
+    is measured again."""
     return shapes_for(kind in HALF_SCALES, kind in LANES_TYPES)
 
 
@@ -687,10 +688,10 @@ def _uploaded_bytes(info: ModelInfo) -> int:
             total += 4 * t.shape[0]
         elif t.name != tensor_name(MODEL_TENSOR.TOKEN_EMBD) or info.hparams.tied_embeddings:
             blocks = math.prod(t.shape) // GGML_QUANT_SIZES[t.type][0]
-            total += t.nbytes + 2 * blocks * len(HALF_SCALES.get(t.type, ()))  # scales widened, if tuned so
-            if t.type in LANES_TYPES:  # and the lanes layout's zero rows, if tuned so (its scales widened)
-                row_bytes = (t.nbytes + 2 * blocks * len(HALF_SCALES[t.type])) // t.shape[1]
-                total += -t.shape[1] % LANES * row_bytes
+            widened = t.nbytes + 2 * blocks * len(HALF_SCALES.get(t.type, ()))  # scales widened, if tuned so
+            rows = t.shape[1]
+            padding = -rows % LANES if t.type in LANES_TYPES else 0  # the lanes layout's zero rows, if tuned so
+            total += widened + padding * (widened // rows)
     return total
 
 

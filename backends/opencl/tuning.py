@@ -7,12 +7,11 @@ arithmetic: a CPU device is bound by the second, a GPU by the first). Q4_0, Q4_1
 lanes layout (``matvec_<type>_lanes``): 16 rows a work-item, a row a vector lane, which a CPU device's wide
 vectors want. Which is fastest depends on the device and on the matrix: a CPU driver such as PoCL wants few,
 long work-items in as many groups as it has cores, a GPU many, in groups its schedulers fill, and a small
-matrix gives either less to share out. So the
-first load of a model times the shapes on each of its products' types and sizes (the layout first, then rows
-and group sizes in it: ``Timer.tune``), and keeps the fastest for each, in the cache folder under a digest
-of the device, its driver and the kernels' source: a new driver or a changed kernel measures again. A decode
-step streams every weight from memory once, so each timed run starts with the device's caches emptied (a read
-of a buffer larger than them).
+matrix gives either less to share out. So the first load of a model times the shapes on each of its
+products' types and sizes (the layout first, then rows and group sizes in it: ``Timer.tune``), and keeps
+the fastest for each, in the cache folder under a digest of the device, its driver and the kernels' source:
+a new driver or a changed kernel measures again. A decode step streams every weight from memory once, so each
+timed run starts with the device's caches emptied (a read of a buffer larger than them).
 """
 
 from __future__ import annotations
