@@ -470,10 +470,17 @@ class LlamaCppBackend:
             params.swa_full = True
             params.n_threads = params.n_threads_batch = options.threads
             params.type_k = params.type_v = getattr(lib, self._KV_GGML_TYPES[options.kv_type])
-            # A quantized V cache only works with flash attention.
-            params.flash_attn_type = (
-                lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.kv_type == "q8_0" else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            )
+            # Flash attention: always for a quantized V cache, which works only with it; for f16 wherever the
+            # device runs it (llama.cpp's own default, AUTO); never for f32, a cache asked for its precision, which
+            # flash attention's Vulkan kernels give up (a shifted cache's KLD to a cold one went from under 1e-6
+            # to 1.5e-6). On the CPU its kernel skips the cells a token's mask hides, where the plain path
+            # multiplies every cell up to the highest in use, whichever sequence holds it: with sequences kept
+            # for the prefix cache, a step costs what the whole pool costs (docs/BENCHMARKS.md, issue 20).
+            params.flash_attn_type = {
+                "q8_0": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                "f16": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+                "f32": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            }[options.kv_type]
             params.no_perf = True
             _recent_log.clear()
             with _holding_ctrl_c() as interrupted, _stderr_to_log() if gpu else contextlib.nullcontext():

@@ -1,12 +1,16 @@
 """Several KV sequences: answers decoded together against one after another, and the router's samples.
 
-    python scripts/bench_sequences.py --threads 2 --runs 3 [--backend onnxruntime]
+    python scripts/bench_sequences.py --threads 2 --runs 3 [--backend onnxruntime] [--held 3456]
 
 Prints aggregate decode tokens/s for N greedy answers of the same prompt decoded together
 (``Engine.generate_batch``, one ``llama_decode`` per step for all of them), asked from N threads at once
 (``Engine.chat`` in each: the engine batches them the same way) and one after another,
 and the router's time to first token with ``samples=4`` (the samples decoded together, sharing
 the prompt's KV). Runs alternate, so both sides see the same machine.
+
+With ``--held N`` it also prints one sequence's decode tokens/s, straight on the backend, alone and while
+another sequence holds 128 cells placed above N cells of the pool: what the cells an idle conversation
+keeps for the prefix cache cost every other sequence's steps.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from time import perf_counter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeinfer import CloudModel, Engine, Policy, Router, SamplingParams  # noqa: E402
+from edgeinfer.backends.base import Backend, Span  # noqa: E402
 from edgeinfer.models.catalog import DEFAULT_MODEL  # noqa: E402
 
 JAPAN = [
@@ -53,6 +58,32 @@ def decode_rate(engine: Engine, n: int, tokens: int, how: str) -> float:
     return sum(len(r.tokens) - 1 for r in results) / decode_s  # the first token of each is drawn from the prompt
 
 
+def held_cells_rate(backend: Backend, held: int, tokens: int) -> tuple[float, float]:
+    """Decode tokens/s of sequence 0 after a 128-token prompt: alone, and with sequence 1 holding 128 cells above
+    the ``held`` cells sequence 2 took first and gave back (llama.cpp hands out the lowest free cells)."""
+
+    def fill(seq: int, n: int) -> None:
+        for first in range(0, n, 64):
+            backend.eval([Span(seq, first, [(first + i) % 1000 + 100 for i in range(min(64, n - first))])])
+
+    def decode() -> float:
+        fill(0, 128)
+        start = perf_counter()
+        for position in range(128, 128 + tokens):
+            backend.eval([Span(0, position, [123])])
+        rate = tokens / (perf_counter() - start)
+        backend.truncate(0, 0)
+        return rate
+
+    alone = decode()
+    fill(2, held)
+    fill(1, 128)
+    backend.truncate(2, 0)
+    beside = decode()
+    backend.truncate(1, 0)
+    return alone, beside
+
+
 def router_ttft(engine: Engine, samples: int) -> float:
     # The cloud is never called: threshold 10 keeps every prompt local; the URL is never dialled.
     router = Router(
@@ -78,7 +109,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--sequences", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--held", type=int, metavar="N", help="also time decode beside 128 cells held above N")
     args = parser.parse_args()
+    if args.held:
+        budget = f"{args.held + 128 + 128 + args.tokens}tok"
+        with Engine(args.model, backend=args.backend, kv_budget=budget, threads=args.threads, sequences=3) as engine:
+            rates = [held_cells_rate(engine.backend, args.held, args.tokens) for _ in range(args.runs)]
+        alone, beside = (statistics.median(r[i] for r in rates) for i in (0, 1))
+        print(
+            f"one answer: alone {alone:.1f} tok/s, beside 128 cells held above {args.held} {beside:.1f} tok/s; "
+            f"ratio {beside / alone:.2f}x"
+        )
     with Engine(args.model, backend=args.backend, kv_budget="2048tok", threads=args.threads) as engine:
         for n in args.sequences:
             rates: dict[str, list[float]] = {"together": [], "threads": [], "apart": []}

@@ -72,6 +72,7 @@ AGREEMENT: dict[str, dict[str, tuple[float, float]]] = {
 # 5e-5 to 1e-4 on the plain models, three orders below what a lost RoPE costs. Measured on Debian 12's lavapipe,
 # f32 cache: llama 7.5e-7, qwen2 3.2e-6 (f16 cache 5.8e-6), mistral Q4_0 2.7e-4 (bound 1.5e-2).
 HALF_PRECISION_PRODUCTS = ("vulkan",)
+FLASH_ATTENTION_F16 = ("llamacpp",)  # its f16 cache is read by flash attention, which sums values in f16
 HALF_PRECISION_SLACK = 5
 # Evicting positions 4..23 of 60 on a one-layer model, then 10 more tokens, against a cold run of
 # the 40 kept ones. Measured: f32 1e-13, f16 5e-7, q8_0 2.5e-4 (llama.cpp); keys left unrotated:
@@ -357,8 +358,9 @@ def test_filling_to_capacity_works_and_one_more_is_a_clear_error(cls, infos):
         # Still usable: forget the last position and evaluate it again.
         backend.truncate(0, capacity - 1)
         (again,) = logits(backend, Span(0, capacity - 1, tokens[-1:]))  # alone, where it was in a chunk
-        # Half-precision shaders: a vector's kernels round otherwise than a chunk's (lavapipe: 5.6e-6).
-        bound = EVICT_KLD["f16"] if cls.name in HALF_PRECISION_PRODUCTS else 1e-6
+        # Half-precision sums, in Vulkan's shaders and in llama.cpp's flash attention over an f16 cache: a vector's
+        # kernels round otherwise than a chunk's (lavapipe: 5.6e-6; llama.cpp's CPU kernels: 4.6e-6).
+        bound = EVICT_KLD["f16"] if cls.name in HALF_PRECISION_PRODUCTS + FLASH_ATTENTION_F16 else 1e-6
         assert_close(last[None], again[None], bound, "the last position again")
 
 
