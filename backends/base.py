@@ -94,6 +94,9 @@ class Backend(Protocol):
     """KV cache element types it supports, e.g. ``("f16", "q8_0")``."""
     shares_cells: ClassVar[bool]
     """Whether ``copy_prefix`` shares the source's cells (free) or copies them (a cell per copied position)."""
+    loads_llamacpp: ClassVar[bool]
+    """Whether it runs on llama.cpp, whose tokenizer then comes with it: the engine tokenizes with Hugging Face's
+    ``tokenizers`` instead where it can, rather than load llama.cpp (and the GPU drivers it opens) to tokenize."""
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
         """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot (a model ``supports``

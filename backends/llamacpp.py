@@ -357,6 +357,7 @@ class LlamaCppBackend:
     kv_block: ClassVar[int] = 256  # llama.cpp pads n_ctx up to a multiple of 256
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0", "f32")
     shares_cells: ClassVar[bool] = True
+    loads_llamacpp: ClassVar[bool] = True
     _KV_GGML_TYPES: ClassVar[dict[str, str]] = {
         "f16": "GGML_TYPE_F16",
         "q8_0": "GGML_TYPE_Q8_0",

@@ -30,6 +30,7 @@ class ReferenceBackend(PooledBackend):
     kv_block: ClassVar[int] = 1
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
     shares_cells: ClassVar[bool] = True
+    loads_llamacpp: ClassVar[bool] = False
     _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
 
     @classmethod

@@ -182,7 +182,7 @@ class Engine:
         self.backend: Backend = backend_cls(self.info, options)
         try:
             # After the backend: llama.cpp's tokenizer shares the model the llama.cpp backend loaded.
-            self.tokenizer = Tokenizer(self.model_path)
+            self.tokenizer = Tokenizer(self.model_path, prefer_tokenizers=not backend_cls.loads_llamacpp)
             self.template = ChatTemplate(
                 self.info.chat_template,
                 bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
@@ -266,7 +266,7 @@ class Engine:
         backend = backend_cls(info, draft_options)
         try:
             # After the backend, as the engine's own: llama.cpp's tokenizer shares the model it loaded.
-            with contextlib.closing(Tokenizer(path)) as theirs:
+            with contextlib.closing(Tokenizer(path, prefer_tokenizers=not backend_cls.loads_llamacpp)) as theirs:
                 mine = self.tokenizer
                 differs = mine.n_vocab != theirs.n_vocab or any(
                     mine.piece(t) != theirs.piece(t) for t in range(mine.n_vocab)

@@ -1,9 +1,11 @@
-"""The tokenizer: llama.cpp's own, loaded vocab-only from the GGUF, shared by every backend.
+"""The tokenizer: llama.cpp's own, loaded vocab-only from the GGUF, or the same vocabulary tokenized by Hugging
+Face ``tokenizers`` as llama.cpp would (``edgeinfer/vocabulary.py``).
 
-Using llama.cpp's tokenizer everywhere means every backend sees exactly the
-token ids llama.cpp would, pre-tokenizer quirks included. Where llama-cpp-python is not
-installed (a machine that runs only the ONNX Runtime backend), the same vocabulary is
-tokenized by Hugging Face ``tokenizers`` as llama.cpp would (``edgeinfer/vocabulary.py``).
+Either way every backend sees exactly the token ids llama.cpp would, pre-tokenizer quirks included.
+tokenizers' is used where llama-cpp-python is not installed (a machine that runs only the ONNX Runtime
+backend), and first, with ``prefer_tokenizers``, for an engine whose backend does not run on llama.cpp: loading
+llama.cpp to tokenize would bring its libraries and the GPU drivers it opens into that process (46 MiB of
+RSS beside the ONNX Runtime backend, and llama.cpp's start-up).
 
 Any thread may call it, also while another closes it: the native vocabulary is used
 and freed under one lock, so a call after ``close()`` is a clear error, never a
@@ -52,14 +54,18 @@ TOKENIZERS = "tokenizers"
 class Tokenizer:
     """Text to token ids and token ids to bytes, for one GGUF vocabulary."""
 
-    def __init__(self, path: str | Path, implementation: str | None = None) -> None:
+    def __init__(self, path: str | Path, implementation: str | None = None, *, prefer_tokenizers: bool = False) -> None:
         """``implementation``: ``"llamacpp"`` or ``"tokenizers"`` (Hugging Face's); by default llama.cpp's
-        where llama-cpp-python loads, else tokenizers'."""
+        where llama-cpp-python loads, else tokenizers'. ``prefer_tokenizers`` turns the default round: tokenizers'
+        where it is installed and reads this vocabulary, else llama.cpp's (for a process that need not load
+        llama.cpp otherwise)."""
         if implementation not in (None, LLAMACPP, TOKENIZERS):
             raise InvalidOptionError(f"unknown tokenizer {implementation!r}; choose {LLAMACPP} or {TOKENIZERS}")
         self._lock = threading.Lock()  # held around every use of the vocabulary, and its closing
         self._vocabulary: _LlamaCppVocabulary | GGUFVocabulary | None = None
-        if implementation == TOKENIZERS or (implementation is None and not _llamacpp_loads()):
+        if implementation is None and prefer_tokenizers:
+            self._vocabulary = _tokenizers_first(path)
+        elif implementation == TOKENIZERS or (implementation is None and not _llamacpp_loads()):
             self._vocabulary = _rebuilt_vocabulary(path)
         else:
             self._vocabulary = _LlamaCppVocabulary(path)
@@ -227,6 +233,15 @@ def _rebuilt_vocabulary(path: str | Path) -> GGUFVocabulary:
             f"loads here ({exc}); install one: pip install 'edgeinfer[llamacpp]' or 'edgeinfer[onnx]'"
         ) from None
     return GGUFVocabulary(path)
+
+
+def _tokenizers_first(path: str | Path) -> _LlamaCppVocabulary | GGUFVocabulary:
+    try:
+        return _rebuilt_vocabulary(path)
+    except (BackendUnavailableError, InvalidModelError):  # tokenizers absent, or a vocabulary only llama.cpp reads
+        if not _llamacpp_loads():
+            raise
+    return _LlamaCppVocabulary(path)
 
 
 def _llamacpp_loads() -> bool:

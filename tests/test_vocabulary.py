@@ -8,6 +8,10 @@ references on the converter's vocabularies of every kind.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -123,3 +127,33 @@ def test_a_tokenizer_left_open_at_exit_closes_quietly(model_path: Path, monkeypa
     monkeypatch.undo()
     with pytest.raises(EdgeInferError, match="closed"):
         tokenizer.encode("hi")
+
+
+def test_preferring_tokenizers_falls_back_to_llamacpp_for_a_vocabulary_only_it_reads(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer, the fallback, is not installed")
+    from gguf import GGUFValue, GGUFValueType
+    from tiny_model import write_tiny_gguf
+
+    metadata = {"tokenizer.ggml.pre": GGUFValue("default", GGUFValueType.STRING)}
+    path = write_tiny_gguf(tmp_path / "odd.gguf", tokenizer="gpt2", metadata=metadata)
+    text = TEXTS["english"]
+    with closing(Tokenizer(path, prefer_tokenizers=True)) as preferring, closing(Tokenizer(path, LLAMACPP)) as llama:
+        assert preferring.encode(text) == llama.encode(text)
+
+
+def test_an_engine_off_llamacpp_tokenizes_without_loading_it(model_path: Path):
+    """The reference backend's engine reads the vocabulary with tokenizers, in a process llama.cpp stays out
+    of, and gets llama.cpp's ids."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer, the reference, is not installed")
+    script = (
+        "import json, sys\n"
+        "from edgeinfer import Engine\n"
+        f"with Engine({str(model_path)!r}, backend='reference', kv_budget='256tok', threads=1) as engine:\n"
+        f"    ids = engine.tokenize({TEXTS['chat']!r})\n"
+        "print(json.dumps({'llama_cpp': 'llama_cpp' in sys.modules, 'ids': ids}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["llama_cpp"] is False
+    with closing(Tokenizer(model_path, LLAMACPP)) as llama:
+        assert seen["ids"] == llama.encode(TEXTS["chat"])
