@@ -95,8 +95,9 @@ class Backend(Protocol):
     shares_cells: ClassVar[bool]
     """Whether ``copy_prefix`` shares the source's cells (free) or copies them (a cell per copied position)."""
     loads_llamacpp: ClassVar[bool]
-    """Whether it runs on llama.cpp, whose tokenizer then comes with it: the engine tokenizes with Hugging Face's
-    ``tokenizers`` instead where it can, rather than load llama.cpp (and the GPU drivers it opens) to tokenize."""
+    """Whether it runs on llama.cpp, whose tokenizer then comes with it. Where it does not, the engine tokenizes
+    with Hugging Face's ``tokenizers`` where that is quick, rather than load llama.cpp (and the GPU drivers it
+    opens) only to tokenize."""
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
         """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot (a model ``supports``

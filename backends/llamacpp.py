@@ -358,10 +358,16 @@ class LlamaCppBackend:
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0", "f32")
     shares_cells: ClassVar[bool] = True
     loads_llamacpp: ClassVar[bool] = True
-    _KV_GGML_TYPES: ClassVar[dict[str, str]] = {
-        "f16": "GGML_TYPE_F16",
-        "q8_0": "GGML_TYPE_Q8_0",
-        "f32": "GGML_TYPE_F32",
+    # Each KV type's ggml type, and whether flash attention reads it: always for a quantized V cache, which works
+    # only with it; for f16 wherever the device runs it (llama.cpp's own default, AUTO); never for f32, a cache
+    # asked for its precision, which flash attention's Vulkan kernels give up (a shifted cache's KLD to a cold one
+    # went from under 1e-6 to 1.5e-6). On the CPU its kernel skips the cells a token's mask hides, where the
+    # plain path multiplies every cell up to the highest in use, whichever sequence holds it: with sequences kept
+    # for the prefix cache, a step costs what the whole pool costs (docs/BENCHMARKS.md, issue 20).
+    _KV_TYPES: ClassVar[dict[str, tuple[str, str]]] = {
+        "f16": ("GGML_TYPE_F16", "LLAMA_FLASH_ATTN_TYPE_AUTO"),
+        "q8_0": ("GGML_TYPE_Q8_0", "LLAMA_FLASH_ATTN_TYPE_ENABLED"),
+        "f32": ("GGML_TYPE_F32", "LLAMA_FLASH_ATTN_TYPE_DISABLED"),
     }
     _elsewhere: ClassVar[str] = ""  # what a failure on the device adds: where else the model runs
     _KV_TYPE_BYTES: ClassVar[dict[str, float]] = {"f16": 2.0, "q8_0": 34 / 32, "f32": 4.0}  # q8_0: 32 values in 34 B
@@ -470,18 +476,9 @@ class LlamaCppBackend:
             # bytes per token are the same for every layer. llama.cpp's default; set so it stays so.
             params.swa_full = True
             params.n_threads = params.n_threads_batch = options.threads
-            params.type_k = params.type_v = getattr(lib, self._KV_GGML_TYPES[options.kv_type])
-            # Flash attention: always for a quantized V cache, which works only with it; for f16 wherever the
-            # device runs it (llama.cpp's own default, AUTO); never for f32, a cache asked for its precision, which
-            # flash attention's Vulkan kernels give up (a shifted cache's KLD to a cold one went from under 1e-6
-            # to 1.5e-6). On the CPU its kernel skips the cells a token's mask hides, where the plain path
-            # multiplies every cell up to the highest in use, whichever sequence holds it: with sequences kept
-            # for the prefix cache, a step costs what the whole pool costs (docs/BENCHMARKS.md, issue 20).
-            params.flash_attn_type = {
-                "q8_0": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                "f16": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-                "f32": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-            }[options.kv_type]
+            ggml_type, flash_attention = self._KV_TYPES[options.kv_type]
+            params.type_k = params.type_v = getattr(lib, ggml_type)
+            params.flash_attn_type = getattr(lib, flash_attention)
             params.no_perf = True
             _recent_log.clear()
             with _holding_ctrl_c() as interrupted, _stderr_to_log() if gpu else contextlib.nullcontext():

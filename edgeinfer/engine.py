@@ -50,7 +50,7 @@ from edgeinfer.speculative import MAX_DRAFT, DraftControl, DraftCost, PromptLook
 from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, adrain, drain
 from edgeinfer.system import check_memory, cpu_features, thread_count
 from edgeinfer.textstream import TextStream
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.tokenizer import Tokenizer, engine_tokenizer
 
 log = logging.getLogger("edgeinfer.engine")
 
@@ -182,7 +182,7 @@ class Engine:
         self.backend: Backend = backend_cls(self.info, options)
         try:
             # After the backend: llama.cpp's tokenizer shares the model the llama.cpp backend loaded.
-            self.tokenizer = Tokenizer(self.model_path, prefer_tokenizers=not backend_cls.loads_llamacpp)
+            self.tokenizer = engine_tokenizer(self.info, backend_cls.loads_llamacpp)
             self.template = ChatTemplate(
                 self.info.chat_template,
                 bos_token=self.tokenizer.token_text(self.tokenizer.bos_id),
@@ -266,7 +266,7 @@ class Engine:
         backend = backend_cls(info, draft_options)
         try:
             # After the backend, as the engine's own: llama.cpp's tokenizer shares the model it loaded.
-            with contextlib.closing(Tokenizer(path, prefer_tokenizers=not backend_cls.loads_llamacpp)) as theirs:
+            with contextlib.closing(engine_tokenizer(info, backend_cls.loads_llamacpp)) as theirs:
                 mine = self.tokenizer
                 differs = mine.n_vocab != theirs.n_vocab or any(
                     mine.piece(t) != theirs.piece(t) for t in range(mine.n_vocab)

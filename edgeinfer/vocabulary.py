@@ -1,7 +1,8 @@
 """A GGUF's vocabulary, tokenized as llama.cpp tokenizes it, by Hugging Face ``tokenizers`` instead of llama.cpp.
 
-For backends that run without llama.cpp (ONNX Runtime): ``edgeinfer.tokenizer.Tokenizer`` uses this
-where llama-cpp-python is not installed. It rebuilds llama.cpp's two common tokenizers from the
+For backends that run without llama.cpp (ONNX Runtime, OpenCL, the reference): ``edgeinfer.tokenizer`` uses
+this where llama-cpp-python is not installed, and for a byte-level BPE vocabulary, which it rebuilds faster
+than llama.cpp loads, on such a backend even where it is. It rebuilds llama.cpp's two common tokenizers from the
 GGUF's own keys:
 
 - ``gpt2``: byte-level BPE over the file's merges, after the regex splits its ``tokenizer.ggml.pre``

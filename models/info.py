@@ -73,6 +73,7 @@ class ModelInfo:
     chat_template: str | None
     file_size: int
     tensors: tuple[TensorInfo, ...]
+    tokenizer_model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece), ...
 
     @property
     def architecture(self) -> str:
@@ -113,6 +114,7 @@ def model_info_from_header(header: GGUFHeader) -> ModelInfo:
         chat_template=template if isinstance(template, str) else None,
         file_size=header.file_size,
         tensors=header.tensors,
+        tokenizer_model=str(meta.get(Keys.Tokenizer.MODEL) or ""),
     )
 
 

@@ -5,7 +5,7 @@ its TTFT is within 1 ms, and it spends at most 60 µs more per token outside ``l
 with the default sampling chain, at most 100 µs more per token outside ``llama_decode``.
 
 All sides run in one process on the same GGUF file, with the same threads, n_ctx,
-n_batch/n_ubatch, f16 KV cache and flash attention off, and exactly --gen-tokens new
+n_batch/n_ubatch, f16 KV cache and flash attention (as the backend asks for it), and exactly --gen-tokens new
 tokens (EOS ignored), in two modes:
 
 - greedy: edgeinfer at ``temperature=0``; the plain loop takes the argmax of the logits.
@@ -167,7 +167,7 @@ class Plain:
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = threads
         params.type_k = params.type_v = lib.GGML_TYPE_F16
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_AUTO
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, params)
         if not self.model or not self.ctx:
@@ -356,7 +356,7 @@ def main() -> None:
     if not args.no_llama:
         llm = llama_cpp.Llama(
             str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=threads, n_threads_batch=threads,
-            flash_attn=False, no_perf=True, verbose=False, n_gpu_layers=0, op_offload=False,
+            flash_attn=True, no_perf=True, verbose=False, n_gpu_layers=0, op_offload=False,
         )  # fmt: skip
         sides["Llama"] = lambda mode: run_llama(llm, text, MODES[mode], n, p)
 

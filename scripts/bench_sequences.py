@@ -10,7 +10,8 @@ the prompt's KV). Runs alternate, so both sides see the same machine.
 
 With ``--held N`` it also prints one sequence's decode tokens/s, straight on the backend, alone and while
 another sequence holds 128 cells placed above N cells of the pool: what the cells an idle conversation
-keeps for the prefix cache cost every other sequence's steps.
+keeps for the prefix cache cost every other sequence's steps. The placement is llama.cpp's (it hands out
+the lowest free cells); on another backend the figure says nothing about where cells sit.
 """
 
 from __future__ import annotations
@@ -109,13 +110,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--sequences", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--held", type=int, metavar="N", help="also time decode beside 128 cells held above N")
+    parser.add_argument(
+        "--held", type=int, metavar="N",
+        help="also time decode beside 128 cells held above N (llama.cpp's cells: it hands out the lowest free ones)",
+    )  # fmt: skip
     args = parser.parse_args()
-    if args.held:
+    if args.held is not None:
         budget = f"{args.held + 128 + 128 + args.tokens}tok"
         with Engine(args.model, backend=args.backend, kv_budget=budget, threads=args.threads, sequences=3) as engine:
-            rates = [held_cells_rate(engine.backend, args.held, args.tokens) for _ in range(args.runs)]
-        alone, beside = (statistics.median(r[i] for r in rates) for i in (0, 1))
+            pairs = [held_cells_rate(engine.backend, args.held, args.tokens) for _ in range(args.runs)]
+        alone, beside = (statistics.median(pair[i] for pair in pairs) for i in (0, 1))
         print(
             f"one answer: alone {alone:.1f} tok/s, beside 128 cells held above {args.held} {beside:.1f} tok/s; "
             f"ratio {beside / alone:.2f}x"

@@ -37,7 +37,7 @@ TEXT = "Hello, the wörld! 你好 🙂 <|im_start|>\\n\\t  x"
 def unchecked_info(path):
     h = read_header(path)
     hparams = arch.hparams_from_metadata(h.metadata, {t.name for t in h.tensors}, h.path.name)
-    return info.ModelInfo(h.path, h.path.stem, hparams, None, h.file_size, h.tensors)
+    return info.ModelInfo(h.path, h.path.stem, hparams, None, h.file_size, h.tensors, "")
 def run(path):
     with Engine(path, kv_budget="256tok", threads=1) as engine:
         engine.generate(TEXT, max_tokens=2, temperature=0)

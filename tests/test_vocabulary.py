@@ -18,7 +18,8 @@ import pytest
 
 from edgeinfer.errors import EdgeInferError, InvalidModelError, InvalidOptionError
 from edgeinfer.models.catalog import resolve_model
-from edgeinfer.tokenizer import LLAMACPP, TOKENIZERS, Tokenizer
+from edgeinfer.models.info import load_model_info
+from edgeinfer.tokenizer import LLAMACPP, TOKENIZERS, Tokenizer, engine_tokenizer
 
 TEXTS = {
     "english": "The lighthouse keeper's daughter didn't want to leave; she'd rather count 1,234,567 ships.\n\n"
@@ -129,22 +130,44 @@ def test_a_tokenizer_left_open_at_exit_closes_quietly(model_path: Path, monkeypa
         tokenizer.encode("hi")
 
 
-def test_preferring_tokenizers_falls_back_to_llamacpp_for_a_vocabulary_only_it_reads(tmp_path):
+def test_an_engine_tokenizes_with_tokenizers_off_llamacpp_where_it_rebuilds_quickly(model_path: Path):
+    pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer, the other choice, is not installed")
+    pytest.importorskip("tokenizers")
+    chosen = {}
+    for name, path in (("smollm2", model_path), ("gemma3", resolve_model("gemma3-270m"))):
+        for on_llamacpp in (True, False):
+            with closing(engine_tokenizer(load_model_info(path), on_llamacpp)) as tokenizer:
+                chosen[name, on_llamacpp] = tokenizer.implementation
+    # Gemma 3's SentencePiece vocabulary takes the rebuild seconds: llama.cpp's reads it in a fraction.
+    assert chosen == {
+        ("smollm2", True): LLAMACPP,
+        ("smollm2", False): TOKENIZERS,
+        ("gemma3", True): LLAMACPP,
+        ("gemma3", False): LLAMACPP,
+    }
+
+
+def test_an_engine_off_llamacpp_falls_back_to_its_tokenizer_where_tokenizers_cannot(tmp_path, model_path, monkeypatch):
     pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer, the fallback, is not installed")
     from gguf import GGUFValue, GGUFValueType
     from tiny_model import write_tiny_gguf
 
-    metadata = {"tokenizer.ggml.pre": GGUFValue("default", GGUFValueType.STRING)}
-    path = write_tiny_gguf(tmp_path / "odd.gguf", tokenizer="gpt2", metadata=metadata)
+    metadata = {"tokenizer.ggml.pre": GGUFValue("default", GGUFValueType.STRING)}  # a split only llama.cpp knows
+    odd = write_tiny_gguf(tmp_path / "odd.gguf", tokenizer="gpt2", metadata=metadata)
     text = TEXTS["english"]
-    with closing(Tokenizer(path, prefer_tokenizers=True)) as preferring, closing(Tokenizer(path, LLAMACPP)) as llama:
-        assert preferring.encode(text) == llama.encode(text)
+    with closing(engine_tokenizer(load_model_info(odd), False)) as fallen, closing(Tokenizer(odd, LLAMACPP)) as llama:
+        assert fallen.implementation == LLAMACPP
+        assert fallen.encode(text) == llama.encode(text)
+    monkeypatch.setitem(sys.modules, "edgeinfer.vocabulary", None)  # as where tokenizers is not installed
+    with closing(engine_tokenizer(load_model_info(model_path), False)) as fallen:
+        assert fallen.implementation == LLAMACPP
 
 
 def test_an_engine_off_llamacpp_tokenizes_without_loading_it(model_path: Path):
     """The reference backend's engine reads the vocabulary with tokenizers, in a process llama.cpp stays out
     of, and gets llama.cpp's ids."""
     pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer, the reference, is not installed")
+    pytest.importorskip("tokenizers")
     script = (
         "import json, sys\n"
         "from edgeinfer import Engine\n"
