@@ -376,7 +376,7 @@ import time
 sys.modules["llama_cpp"] = None  # as on a machine where llama-cpp-python is not installed
 from edgeinfer import Engine
 with Engine(sys.argv[1], kv_budget="512tok", threads=2) as engine:
-    print(engine.backend.name, type(engine.tokenizer._vocabulary).__name__)
+    print(engine.backend.name, engine.tokenizer.implementation)
     print(" ".join(map(str, engine.tokenize(sys.argv[2]))))
 """
 
@@ -388,7 +388,7 @@ def test_without_llama_cpp_auto_runs_onnxruntime_and_tokenizes_as_llama_cpp(mode
     )
     assert done.returncode == 0, done.stderr[-2000:]
     chosen, tokens = done.stdout.strip().splitlines()
-    assert chosen == "onnxruntime GGUFVocabulary"
+    assert chosen == "onnxruntime tokenizers"
     with Engine(model_path, backend="onnxruntime", kv_budget="512tok", threads=2) as engine:
         assert [int(t) for t in tokens.split()] == engine.tokenize(text)
 
