@@ -91,7 +91,8 @@ class Backend(Protocol):
     kv_block: ClassVar[int]
     """The backend allocates KV in multiples of this many cells."""
     kv_types: ClassVar[tuple[str, ...]]
-    """KV cache element types it supports, e.g. ``("f16", "q8_0")``."""
+    """KV cache element types it supports, its default first, e.g. ``("f16", "q8_0")``: the engine's cache is of
+    the first unless the caller names another."""
     shares_cells: ClassVar[bool]
     """Whether ``copy_prefix`` shares the source's cells (free) or copies them (a cell per copied position)."""
     loads_llamacpp: ClassVar[bool]

@@ -17,6 +17,7 @@ import numpy as np
 from edgeinfer.errors import BackendUnavailableError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer, attention, causal, gguf_weights
+from edgeinfer.pages import lazy_zeros
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
 from .base import CPU, BackendOptions, Device, Span, check_spans, compute_bytes
@@ -67,7 +68,7 @@ class ReferenceBackend(PooledBackend):
         self._n_vocab = hp.n_vocab
         shape = (hp.n_layer, options.kv_tokens, hp.n_head_kv, hp.head_dim)
         dtype = self._KV_DTYPES[options.kv_type]
-        self._k, self._v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        self._k, self._v = lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)  # RAM as cells fill
         self._pool = CellPool(options.kv_tokens, options.n_seq)
         self._pending: list[tuple[int, slice, np.ndarray]] = []  # during eval: (seq, its rows, its new cells)
         self._closed = False

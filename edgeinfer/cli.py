@@ -122,8 +122,9 @@ def _kv_options(fn: F) -> F:
         click.option("--kv-policy", type=click.Choice(POLICIES),
                      help="What to do when the KV cache fills (default: sinks; error for a model whose cache "
                      "cannot drop tokens)."),
-        click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True,
-                     help="KV cache element type."),
+        click.option("--kv-type", type=click.Choice(KV_TYPES),
+                     help="KV cache element type (default: the backend's own: f16; f32 on onnxruntime, whose CPU "
+                     "attention has no fast f16 kernel)."),
     )):  # fmt: skip
         fn = option(fn)
     return fn
@@ -235,7 +236,7 @@ def run(
     stop: tuple[str, ...],
     kv_budget: str,
     kv_policy: str | None,
-    kv_type: str,
+    kv_type: str | None,
     speculative: str | None,
     draft_model: str | None,
     prompt_cache: Path | None,
@@ -350,7 +351,7 @@ def serve(
     shutdown_timeout: float,
     kv_budget: str,
     kv_policy: str | None,
-    kv_type: str,
+    kv_type: str | None,
     speculative: str | None,
     draft_model: str | None,
     prompt_cache: Path | None,

@@ -72,7 +72,9 @@ class Engine:
         kv_policy: ``"sinks"``, ``"shift"`` or ``"error"`` (see ``KVPolicy``), or a ``KVPolicy``. Default:
             ``sinks``, or ``error`` for a model whose cache cannot drop old tokens (recurrent layers),
             with a warning logged.
-        kv_type: KV element type, ``"f16"`` or ``"q8_0"`` where the backend supports it.
+        kv_type: KV element type, ``"f16"``, ``"f32"`` or ``"q8_0"`` where the backend supports it; default:
+            the backend's own (``kv_types[0]``): f16, or f32 on the onnxruntime backend, whose CPU attention has
+            no fast half-precision kernel.
         threads: CPU threads; default: the cores that are free right now. More than this
             process may use are capped to them.
         batch_size: prompt tokens evaluated in one step. Prompts are evaluated in chunks
@@ -120,7 +122,7 @@ class Engine:
         backend: str = "auto",
         kv_budget: str | int | KVBudget = DEFAULT_KV_BUDGET,
         kv_policy: str | KVPolicy | None = None,
-        kv_type: str = "f16",
+        kv_type: str | None = None,
         threads: int | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
         sequences: int = DEFAULT_SEQUENCES,
@@ -148,7 +150,6 @@ class Engine:
         self.threads = thread_count(threads)
         requested = BackendOptions(
             kv_tokens=0,
-            kv_type=kv_type,
             threads=self.threads,
             batch_size=batch_size,
             n_seq=sequences,
@@ -157,10 +158,11 @@ class Engine:
         )
 
         def loading(cls: type[Backend]) -> BackendOptions:
-            """The options ``cls`` would load the model with: its device by name, the budget in its cells."""
-            options = check_options(cls, requested)
+            """The options ``cls`` would load the model with: its device by name, its KV type, the budget in its
+            cells."""
+            options = check_options(cls, dataclasses.replace(requested, kv_type=kv_type or cls.kv_types[0]))
             wanted = min(
-                self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, kv_type), cls.kv_block),
+                self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, options.kv_type), cls.kv_block),
                 self.info.hparams.n_ctx_train,
             )
             return dataclasses.replace(options, kv_tokens=wanted)
@@ -173,7 +175,7 @@ class Engine:
             )
         check_memory(backend_cls.memory(self.info, options), force=force)
         self.batch_size = batch_size
-        self.kv_type = kv_type
+        self.kv_type = options.kv_type
         self._prompt_cache: PromptCache | None = None  # a folder that cannot be used is refused before the load
         if prompt_cache is not None:
             cache_bytes = parse_size(prompt_cache_size, "prompt_cache_size")
@@ -295,7 +297,7 @@ class Engine:
                 builds.append(f"{package} none")
         return (
             f"{self.model_path.name}:{st.st_size}:{st.st_mtime_ns}/{backend_name}/{options.device}:"
-            f"{options.gpu_layers}/{options.threads}t/{self.kv_type}/{self.batch_size}/{', '.join(builds)}"
+            f"{options.gpu_layers}/{options.threads}t/{options.kv_type}/{self.batch_size}/{', '.join(builds)}"
         )
 
     def _unshiftable_why(self) -> str:

@@ -62,11 +62,17 @@ class TextStream:
         return min(hits) if hits else None
 
     def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+        Such a suffix starts with the stop string's first character, so only the places in the last
+        ``len(stop) - 1`` characters that hold it are tried: one ``find`` where none does, as on most tokens
+        (trying every prefix length took 6 us a token with a chat template's two stop strings)."""
         best = 0
         for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
+            i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while i != -1 and len(text) - i > best:
+                if stop.startswith(text[i:]):
+                    best = len(text) - i  # the earliest place is the longest suffix
                     break
+                i = text.find(stop[0], i + 1)
         return best

@@ -98,7 +98,9 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=70)
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=9)
-    parser.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="edgeinfer's KV cache type")
+    parser.add_argument(
+        "--kv-type", choices=["f16", "f32"], help="edgeinfer's KV cache type (default: the backend's own)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     threads = args.threads or thread_count()

@@ -18,7 +18,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         (
             "edgeinfer.errors", "edgeinfer.buildflags", "edgeinfer.files", "edgeinfer.sizes", "edgeinfer.system",
             "edgeinfer.logits", "edgeinfer.sampling", "edgeinfer.sampler", "edgeinfer.kv", "edgeinfer.metrics",
-            "edgeinfer.textstream", "edgeinfer.chat",
+            "edgeinfer.textstream", "edgeinfer.chat", "edgeinfer.pages",
         ),
     ),
     ("models: GGUF files, architectures, the catalog, the reference transformer", ("edgeinfer.models",)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import numpy as np
@@ -211,3 +212,17 @@ def test_a_character_cut_off_by_max_tokens_is_dropped_not_replaced():
     assert stream.push("ok 🤖".encode()[:-2]) == "ok "
     assert stream.flush() == ""
     assert stream.text == "ok "
+
+
+def test_the_held_back_tail_is_the_longest_that_could_begin_a_stop_string():
+    # Against every prefix length tried in turn, on texts and stop strings of few letters, where a stop string's
+    # first character recurs inside it and in the text.
+    rng = random.Random(5)
+    for _ in range(3000):
+        stops = ["".join(rng.choices("ab<", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choices("ab<x", k=rng.randint(0, 8)))
+        expected = max(
+            (n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+            default=0,
+        )
+        assert TextStream(stop=stops)._partial_stop_len(text) == expected, (stops, text)

@@ -30,6 +30,7 @@ from edgeinfer.errors import BackendError, BackendUnavailableError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import open_tensors
+from edgeinfer.pages import lazy_zeros
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
 from ..base import (
@@ -45,7 +46,15 @@ from ..base import (
     compute_bytes,
 )
 from .activations import CALIBRATION_TOKENS, FLOAT, INT8, INT8_KLD_LIMIT, int8_kld
-from .graph import (
+from .graph_cache import (
+    cached_graph,
+    choosing_accuracy_level,
+    chosen_accuracy_level,
+    is_built,
+    record_accuracy_level,
+    remove_graph,
+)
+from .spec import (
     FOUR_BIT_TYPES,
     INPUT_IDS,
     LOGIT_ROWS,
@@ -58,14 +67,6 @@ from .graph import (
     past_names,
     present_names,
     unmapped_types,
-)
-from .graph_cache import (
-    cached_graph,
-    choosing_accuracy_level,
-    chosen_accuracy_level,
-    is_built,
-    record_accuracy_level,
-    remove_graph,
 )
 
 log = logging.getLogger("edgeinfer.backends.onnx")
@@ -111,7 +112,10 @@ class OnnxRuntimeBackend:
 
     name: ClassVar[str] = "onnxruntime"
     kv_block: ClassVar[int] = 1
-    kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
+    # f32 first: ONNX Runtime's CPU GroupQueryAttention has no fast half-precision kernel, and an f16 cache also
+    # casts Q, K, V and the output every layer. tiny-qwen2 Q4_0 decodes 1.42x as fast with f32 (docs/BENCHMARKS.md,
+    # "An f32 cache by default"); the cache holds twice the bytes for the same tokens, its pages taken as used.
+    kv_types: ClassVar[tuple[str, ...]] = ("f32", "f16")
     shares_cells: ClassVar[bool] = False
     loads_llamacpp: ClassVar[bool] = False
     _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
@@ -178,7 +182,7 @@ class OnnxRuntimeBackend:
         self._dtype = self._KV_DTYPES[options.kv_type]
         self._row = hp.n_head_kv * hp.head_dim  # values one cell of one layer's keys takes
         share = -(-options.kv_tokens // options.n_seq)  # rounded up: equal regions, which a batched step needs
-        self._pool = np.zeros((hp.n_layer, 2, share * options.n_seq * self._row), self._dtype)
+        self._pool = lazy_zeros((hp.n_layer, 2, share * options.n_seq * self._row), self._dtype)  # RAM as cells fill
         self._regions = [_Region(seq * share, share) for seq in range(options.n_seq)]
         self._bindings: dict[int, ort.IOBinding] = {}  # a sequence's cache, bound: dropped when regions move
         self._feeds = [_StepFeed() for _ in range(options.n_seq)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -29,10 +30,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import onnx
 from filelock import FileLock, Timeout
-from onnx.external_data_helper import set_external_data
 
 from edgeinfer.errors import InvalidOptionError
 from edgeinfer.files import replace_durably, write_atomic
@@ -40,9 +40,13 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.tensors import open_tensors
 from edgeinfer.system import cache_dir
 
-from .graph import BUILDER_VERSION, GraphSpec, build_graph
+from .spec import BUILDER_VERSION, GraphSpec
+
+if TYPE_CHECKING:
+    import onnx
 
 log = logging.getLogger("edgeinfer.backends.onnx")
+_ONNX_RELEASE = importlib.metadata.version("onnx")
 
 
 def file_digest(path: Path) -> str:
@@ -55,8 +59,10 @@ def file_digest(path: Path) -> str:
 
 def graph_path(info: ModelInfo, spec: GraphSpec) -> Path:
     """Where the graph for ``info`` built under ``spec`` is kept."""
-    # onnx's IR version too: the cache folder may serve environments with other onnx and onnxruntime releases.
-    name = f"{_gguf_digest(info.path)[:32]}-v{BUILDER_VERSION}-ir{onnx.IR_VERSION}-{spec.key}.onnx"
+    # onnx's release too (it sets the IR version): the cache folder may serve environments with other onnx and
+    # onnxruntime releases. Read from its metadata: importing onnx takes 0.8 s, which a load that finds its graph
+    # built does without.
+    name = f"{_gguf_digest(info.path)[:32]}-v{BUILDER_VERSION}-onnx{_ONNX_RELEASE}-{spec.key}.onnx"
     return cache_dir() / "onnx" / name
 
 
@@ -128,6 +134,8 @@ def _build(info: ModelInfo, spec: GraphSpec, path: Path) -> None:
         folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     except OSError as exc:
         raise _unwritable(path, exc) from None
+    from .graph import build_graph  # onnx, imported only to build
+
     try:
         with open_tensors(info) as tensors:
             model = build_graph(info, tensors, spec, _progress(info.path.name, spec))
@@ -219,6 +227,9 @@ def _save(model: onnx.ModelProto, graph: Path, weights: Path) -> None:
     By hand, not ``onnx.save_model(save_as_external_data=True)``: that refuses when a file of the weights'
     name exists in the working directory, and it leaves the weights' file private (mode 0600).
     """
+    from onnx import TensorProto  # imported only to build (spec.py says why)
+    from onnx.external_data_helper import set_external_data
+
     with weights.open("xb") as f:
         for tensor in model.graph.initializer:
             data = tensor.raw_data  # a copy at every read
@@ -228,7 +239,7 @@ def _save(model: onnx.ModelProto, graph: Path, weights: Path) -> None:
             set_external_data(tensor, weights.name, offset=f.tell(), length=len(data))
             f.write(data)
             tensor.ClearField("raw_data")  # the model's memory goes down as the file grows
-            tensor.data_location = onnx.TensorProto.EXTERNAL
+            tensor.data_location = TensorProto.EXTERNAL
     graph.write_bytes(model.SerializeToString())
 
 

@@ -46,13 +46,10 @@ from gguf.constants import QK_K
 from gguf.quants import Q4_K, dequantize
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
+from .spec import NBITS_TYPES
+
 BLOCK = 32  # elements in a block of the 32-element types, and in a K-quant's sub-blocks (Q6_K's: 16)
 K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # 256-element super-blocks
-# The types ``nbits`` maps.
-NBITS_TYPES = (
-    QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_0, QType.Q5_1, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_NL,
-    QType.Q2_K, QType.Q3_K, QType.IQ4_XS,
-)  # fmt: skip
 
 
 class ZeroPoints(Enum):

@@ -1,0 +1,83 @@
+"""What the ONNX graph takes and gives, and what it is built from: its inputs' and outputs' names, the spec it is built
+under, the GGUF types it maps. Without onnx, whose import takes 0.8 s (ml_dtypes' 0.66 s of it), so that a load that
+finds its graph built (``graph_cache.py``) never imports it; ``graph.py`` builds the graph these name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gguf import MODEL_TENSOR
+from gguf import GGMLQuantizationType as QType
+
+from edgeinfer.models.arch import tensor_name
+from edgeinfer.models.info import ModelInfo
+
+# Bumped whenever the graph built from the same file changes, or the cache's names for it: cached graphs of another
+# version are rebuilt, and older ones removed. 8: named by onnx's release, not its IR version.
+BUILDER_VERSION = 8
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+FOUR_BIT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q4_K)  # MatMulNBits' 4-bit codes; the other types become 8-bit
+# The types ``nbits`` maps.
+NBITS_TYPES = (
+    QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_0, QType.Q5_1, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_NL,
+    QType.Q2_K, QType.Q3_K, QType.IQ4_XS,
+)  # fmt: skip
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+SEQLENS_K = "seqlens_k"
+TOTAL_LENGTH = "total_sequence_length"
+LOGIT_ROWS = "logit_rows"
+LOGITS = "logits"
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key.{layer}", f"past_value.{layer}"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present_key.{layer}", f"present_value.{layer}"
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What the graph depends on besides the file."""
+
+    kv_type: str  # "f16" or "f32": the cache buffers' element type
+    accuracy_level: int  # MatMulNBits': 0 computes in float32, 4 quantizes activations to int8 as llama.cpp does
+
+    @property
+    def key(self) -> str:
+        """A name part for the cached graph."""
+        return f"kv{self.kv_type}-acc{self.accuracy_level}"
+
+    @property
+    def description(self) -> str:
+        """The spec for a person: its cache type and its 4-bit products' activations."""
+        activations = "float" if self.accuracy_level == 0 else "int8"
+        return f"{self.kv_type} cache, {activations} activations for 4-bit codes"
+
+
+def unmapped_types(info: ModelInfo) -> list[str]:
+    """The file's tensor types this builder cannot put in a graph, by name."""
+    mapped = {*NBITS_TYPES, *FLOAT_TYPES}
+    return sorted({t.type.name for t in info.tensors if t.type not in mapped})
+
+
+def graph_bytes(info: ModelInfo) -> int:
+    """About how many bytes the graph's weights take, an upper bound: 4-bit codes with a float32 scale and offset
+    per 32 elements, 8-bit codes with both per 16, floats as float32; a tied embedding twice (rows and head)."""
+    total = 0
+    for tensor in info.tensors:
+        n = math.prod(tensor.shape)
+        if tensor.type in FLOAT_TYPES or len(tensor.shape) == 1:
+            size = 4 * n
+        elif tensor.type in FOUR_BIT_TYPES:
+            size = n // 2 + n // 4
+        else:
+            size = n + n // 2
+        tied = info.hparams.tied_embeddings and tensor.name == tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+        total += 2 * size if tied else size
+    return total
