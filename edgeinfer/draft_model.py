@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from edgeinfer.backends.base import ARGMAX_NOT_FINITE, Backend, Span
 from edgeinfer.errors import BackendError
 from edgeinfer.sequences import common_prefix
+from edgeinfer.speculative import PRIOR_ACCEPTANCE, Drafter
 
 
 class DraftModel:
@@ -65,14 +66,13 @@ class DraftModel:
         self.backend.close()
 
 
-class ModelDrafts:
-    """One answer's drafts from a ``DraftModel``: the same ``extend``/``draft`` as ``PromptLookup``."""
+class ModelDrafts(Drafter):
+    """One answer's drafts from a ``DraftModel``, as many as pay at the acceptance its drafts have shown."""
 
     def __init__(self, model: DraftModel, seq: int, tokens: Sequence[int]) -> None:
-        self._model, self._seq, self._tokens = model, seq, list(tokens)
+        super().__init__(tokens, (PRIOR_ACCEPTANCE,))
+        self._model, self._seq = model, seq
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(tokens)
-
-    def draft(self, limit: int) -> list[int]:
-        return self._model.draft(self._seq, self._tokens, limit) if limit > 0 else []
+    def _propose(self, available: int, token_cost: float) -> list[int]:
+        length = self.control.length(available, token_cost)
+        return self._model.draft(self._seq, self._tokens, length) if length else []

@@ -46,7 +46,7 @@ from edgeinfer.sampler import Sampler
 from edgeinfer.sampling import SamplingParams, sampling_params
 from edgeinfer.sequences import CachedSequence, SequenceCache
 from edgeinfer.sizes import parse_size
-from edgeinfer.speculative import MAX_DRAFT, DraftControl, DraftCost, PromptLookup, Speculation
+from edgeinfer.speculative import MAX_DRAFT, DraftCost, Drafter, PromptLookup, Speculation
 from edgeinfer.streams import AsyncStream, FinishReason, Result, Stream, adrain, drain
 from edgeinfer.system import check_memory, cpu_features, thread_count
 from edgeinfer.textstream import TextStream
@@ -906,7 +906,7 @@ class Engine:
 
     def _drafts(self, stepping: list[_Generation]) -> list[tuple[int, ...]]:
         """The tokens each stepping answer drafts to follow the one it drew: as many as pay for themselves
-        (``DraftControl``), within its ``max_tokens``; none at all where the pool has no cells free for them."""
+        (its ``Drafter``), within its ``max_tokens``; none at all where the pool has no cells free for them."""
         drafts: list[tuple[int, ...]] = []
         # A draft model's tokens cost its steps too, besides their share of the verifying step.
         cost = self._draft_cost.value + self._draft_share
@@ -916,10 +916,7 @@ class Engine:
                 # The drawn token is its answer's; each kept draft token draws one more, so the last to verify
                 # is the one before max_tokens.
                 room = max(0, min(generation.params.max_tokens - len(generation.output) - 1, MAX_DRAFT))
-                length = generation.control.length(room, cost)
-                draft = tuple(generation.drafts.draft(length)) if length else ()
-                if not draft:
-                    generation.control.skipped(cost)
+                draft = tuple(generation.drafts.draft(room, cost))
             drafts.append(draft)
         extra = sum(map(len, drafts))
         if extra and not self._cache.has_room(len(stepping) + extra):
@@ -1145,8 +1142,7 @@ class _Generation:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.token: int | None = None  # drawn, not yet evaluated
-        self.drafts: PromptLookup | ModelDrafts | None = None  # drafts its next tokens, where the engine drafts
-        self.control = DraftControl()
+        self.drafts: Drafter | None = None  # drafts its next tokens, where the engine drafts
         self.draft: tuple[int, ...] = ()  # drafted tokens evaluated after ``token`` in the last step
         self.kept = 0  # positions its sequence keeps once the last step's draft is verified
         self.reserve = 0  # cells kept free for its tokens while others run
@@ -1189,7 +1185,7 @@ class _Generation:
         self.kept = base + accepted
         self.metrics.drafted_tokens += len(draft)
         self.metrics.accepted_tokens += accepted
-        self.control.verified(len(draft), accepted)
+        self.drafts.verified(len(draft), accepted)  # type: ignore[union-attr]  # a draft came from it
         return token
 
     def sample(self, tokenizer: Tokenizer, start: float, history: int) -> int:

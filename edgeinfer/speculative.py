@@ -28,22 +28,34 @@ from edgeinfer.errors import InvalidOptionError
 from edgeinfer.files import write_atomic
 from edgeinfer.system import cache_dir
 
-# n-gram lengths matched against earlier text, longest first: a longer match predicts more surely, and
-# a single token matches everywhere in chat and predicts little.
-NGRAM_SIZES = (3, 2)
 MAX_DRAFT = 8  # most drafted tokens verified in one step
 # What one drafted token adds to a step's cost, as a share of a one-token step, until DraftCost has measured it
 # for the model on this machine. Through llama.cpp on SmolLM2 with 2 threads (docs/BENCHMARKS.md, "Speculative
 # decoding"): 0.62-0.86 for Q4_1 and Q4_0 on a 2-core AMD EPYC, 0.35-0.41 for Q4_1 on a 2-core Xeon with
 # AVX-512, 0.2-0.28 for F16 on the EPYC. The dearest of the common ones, so a first run never drafts at a loss.
 DRAFT_TOKEN_COST = 0.7
-# The acceptance an answer is assumed to have before it has shown any, and drifts back to while it drafts
-# nothing: high enough that a first draft is tried.
+# The acceptance a draft model's tokens are assumed to have before the answer has shown any, and drift back to
+# while it drafts nothing: high enough that a first draft is tried.
 PRIOR_ACCEPTANCE = 0.8
-ACCEPTANCE_WEIGHT = 0.25  # how much one verified position moves the estimate
-# Tokens over which the estimate drifts back to the prior where a drafted token costs a whole step (where it
+ACCEPTANCE_WEIGHT = 0.25  # how much one verified position moves an estimate
+# Tokens over which an estimate drifts back to its prior where a drafted token costs a whole step (where it
 # costs less, it drifts slower): rejected probes then cost under 3% of decode whatever a drafted token costs.
 RECOVERY_TOKENS = 64
+
+# Prompt lookup matches the text's last two tokens against their RECENT_MATCHES latest earlier occurrences and
+# drafts what followed the one whose match reaches furthest back (up to MAX_MATCH tokens): the longer the match,
+# the likelier the answer is copying that very passage. Each answer keeps one acceptance estimate per class of
+# match length: 2 tokens, 3-4, 5-8, 9 and more. The priors are what SmolLM2's greedy answers to the 60
+# input-grounded and 20 chat prompts of scripts/data/speculative_prompts.jsonl showed (each class's mean run of
+# kept tokens, read as a geometric chance: 1.8, 2.8, 3.2-4.5 and 6-6.5 of 8), so a long match is drafted further
+# from the first step. Against the latest trigram's or bigram's continuation with one estimate, this drafted
+# 1.07x, 1.02x and 1.02x as fast on extraction, rewriting and summarising, at a drafted token's cost of 0.4
+# (docs/BENCHMARKS.md, "Matches by length").
+NGRAM = 2
+RECENT_MATCHES = 4
+MAX_MATCH = 16
+MATCH_CLASSES = (2, 4, 8)  # the longest match of each class but the last
+MATCH_PRIORS = (0.65, 0.75, 0.8, 0.9)
 
 
 class Speculation(enum.Enum):
@@ -65,76 +77,115 @@ class Speculation(enum.Enum):
             raise InvalidOptionError(f"unknown speculative mode {value!r}; choose one of {choices}") from None
 
 
-class PromptLookup:
-    """Drafts what followed the latest earlier occurrence of the text's last n tokens.
+class Drafter:
+    """Drafts one answer's next tokens and learns from their verification: ``PromptLookup`` from the text so far,
+    ``edgeinfer.draft_model.ModelDrafts`` by a smaller model. ``control`` says how many of them pay."""
 
-    An index maps every n-gram of the text but the one it ends with to where its latest occurrence
-    ended, so a lookup is one dictionary probe per n-gram length. It is brought up to date when a draft is
-    asked for, so tokens decoded while drafting is off cost an append each.
-    """
-
-    def __init__(self, tokens: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int], priors: Sequence[float]) -> None:
         self._tokens: list[int] = list(tokens)
-        self._ends: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # the n-grams ending before this position are in the index
+        self.control = DraftControl(priors)
+        self._kind = 0  # the acceptance class of the last draft
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to the text."""
         self._tokens.extend(tokens)
 
-    def draft(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the longest n-gram the text ends with, where it occurred last."""
+    def draft(self, available: int, token_cost: float) -> list[int]:
+        """Up to ``available`` tokens to verify after the drawn one, as many as pay where each costs ``token_cost``
+        of a one-token step; none (and the estimates drift back towards their priors) where none pays."""
+        draft = self._propose(available, token_cost) if available and self.control.may_pay(token_cost) else []
+        if not draft:
+            self.control.skipped(token_cost)
+        return draft
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The last draft's ``drafted`` tokens were verified, and the first ``accepted`` kept."""
+        self.control.verified(drafted, accepted, self._kind)
+
+    def _propose(self, available: int, token_cost: float) -> list[int]:
+        raise NotImplementedError
+
+
+class PromptLookup(Drafter):
+    """Drafts what followed an earlier occurrence of the text's last tokens, chosen by how far back it matches.
+
+    An index maps every bigram of the text but the one it ends with to where its occurrences ended, so a lookup
+    reads a few positions. It is brought up to date when a draft is asked for, so tokens decoded while drafting
+    is off cost an append each.
+    """
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        super().__init__(tokens, MATCH_PRIORS)
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # the bigrams ending before this position are in the index
+
+    def match(self, limit: int) -> tuple[list[int], int]:
+        """Up to ``limit`` tokens that followed the best earlier match of the text's end, and how many tokens that
+        match reaches back (0: none)."""
         text, ends = self._tokens, self._ends
-        for end in range(self._indexed, len(text)):  # every n-gram but the ones the text ends with
-            for n in NGRAM_SIZES:
-                if end >= n:
-                    ends[tuple(text[end - n : end])] = end
+        for end in range(max(self._indexed, NGRAM), len(text)):  # every bigram but the one the text ends with
+            ends.setdefault(tuple(text[end - NGRAM : end]), []).append(end)
         self._indexed = len(text)
-        for n in NGRAM_SIZES:
-            if len(text) > n:
-                end = ends.get(tuple(text[-n:]))
-                if end is not None:
-                    return text[end : end + limit]
-        return []
+        best, best_length = 0, 0
+        for end in reversed(ends.get(tuple(text[-NGRAM:]), [])[-RECENT_MATCHES:]):  # the latest first wins a tie
+            length = NGRAM
+            while length < MAX_MATCH and end > length and text[end - length - 1] == text[-length - 1]:
+                length += 1
+            if length > best_length:
+                best, best_length = end, length
+        return (text[best : best + limit], best_length) if best_length else ([], 0)
+
+    def _propose(self, available: int, token_cost: float) -> list[int]:
+        tokens, length = self.match(available)
+        self._kind = sum(length > bound for bound in MATCH_CLASSES)
+        return tokens[: self.control.length(len(tokens), token_cost, self._kind)]
 
 
 class DraftControl:
     """How many drafted tokens one answer verifies next: as many as pay for themselves at its acceptance so far.
 
-    ``acceptance`` estimates the chance that a drafted token is kept, given the one before it was. A
-    draft of ``k`` keeps ``1 + p + ... + p**k`` tokens in expectation for a step that costs
-    ``1 + k * token_cost``; the length with the best ratio above 1 wins, and none while no
-    length beats a plain step (drafting is off then, until the estimate drifts back).
+    ``acceptance[kind]`` estimates the chance that a drafted token of that kind is kept, given the one before it
+    was (``PromptLookup`` tells its drafts apart by how long a match they follow). A draft of ``k`` keeps
+    ``1 + p + ... + p**k`` tokens in expectation for a step that costs ``1 + k * token_cost``; the length with the
+    best ratio above 1 wins, and none while no length beats a plain step (drafting is off then, until the
+    estimate drifts back).
     """
 
-    def __init__(self) -> None:
-        self.acceptance = PRIOR_ACCEPTANCE
+    def __init__(self, priors: Sequence[float] = (PRIOR_ACCEPTANCE,)) -> None:
+        self._priors = tuple(priors)
+        self.acceptance = list(priors)
 
-    def length(self, available: int, token_cost: float = DRAFT_TOKEN_COST) -> int:
-        """Drafted tokens worth verifying when ``available`` are on offer and each costs ``token_cost`` of a
-        one-token step (0: decode one token)."""
-        if self.acceptance <= token_cost:  # each drafted token keeps at most what it costs: no length pays
+    def may_pay(self, token_cost: float = DRAFT_TOKEN_COST) -> bool:
+        """Whether a draft of some kind would pay, before looking for one."""
+        return max(self.acceptance) > token_cost
+
+    def length(self, available: int, token_cost: float = DRAFT_TOKEN_COST, kind: int = 0) -> int:
+        """Drafted tokens of ``kind`` worth verifying when ``available`` are on offer and each costs ``token_cost``
+        of a one-token step (0: decode one token)."""
+        p = self.acceptance[kind]
+        if p <= token_cost:  # each drafted token keeps at most what it costs: no length pays
             return 0
         best, best_gain = 0, 1.0
         kept = term = 1.0
         for k in range(1, min(available, MAX_DRAFT) + 1):
-            term *= self.acceptance
+            term *= p
             kept += term
             gain = kept / (1.0 + k * token_cost)
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """Learn from a step that drafted ``drafted`` tokens and kept the first ``accepted``."""
+    def verified(self, drafted: int, accepted: int, kind: int = 0) -> None:
+        """Learn from a step that drafted ``drafted`` tokens of ``kind`` and kept the first ``accepted``."""
         outcomes = [1.0] * accepted + ([0.0] if accepted < drafted else [])
         for kept in outcomes:
-            self.acceptance += (kept - self.acceptance) * ACCEPTANCE_WEIGHT
+            self.acceptance[kind] += (kept - self.acceptance[kind]) * ACCEPTANCE_WEIGHT
 
     def skipped(self, token_cost: float = DRAFT_TOKEN_COST) -> None:
-        """A token decoded without a draft verified: drift back towards the prior, to try again later; the
+        """A token decoded without a draft verified: drift back towards the priors, to try again later; the
         cheaper a drafted token, the sooner a draft pays again, so the slower the drift."""
-        self.acceptance += (PRIOR_ACCEPTANCE - self.acceptance) * min(1.0, token_cost) / RECOVERY_TOKENS
+        for kind, prior in enumerate(self._priors):
+            self.acceptance[kind] += (prior - self.acceptance[kind]) * min(1.0, token_cost) / RECOVERY_TOKENS
 
 
 class DraftCost:

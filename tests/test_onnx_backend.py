@@ -25,8 +25,8 @@ from edgeinfer.backends.base import BackendOptions, Span
 from edgeinfer.backends.onnx import graph
 from edgeinfer.backends.onnx.activations import FLOAT, INT8, INT8_KLD_LIMIT
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
-from edgeinfer.backends.onnx.spec import BUILDER_VERSION, GraphSpec
 from edgeinfer.backends.onnx.graph_cache import cached_graph, graph_path, weights_path
+from edgeinfer.backends.onnx.spec import BUILDER_VERSION, GraphSpec
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.info import ModelInfo, load_model_info
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from edgeinfer import Engine, InvalidOptionError, SamplingParams, Speculation
-from edgeinfer.speculative import DRAFT_TOKEN_COST, MAX_DRAFT, DraftControl, DraftCost, PromptLookup
+from edgeinfer.speculative import DRAFT_TOKEN_COST, MAX_DRAFT, MAX_MATCH, DraftControl, DraftCost, PromptLookup
 
 from support import MIN_MARGIN, active_sequence, greedy_margins
 
@@ -18,15 +18,32 @@ from support import MIN_MARGIN, active_sequence, greedy_margins
 COUNT = "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n1 2 3"
 
 
-def test_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest_match():
+def test_lookup_drafts_what_followed_the_occurrence_that_matches_furthest_back():
     lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
-    lookup.extend([1, 2, 3])  # ends with 1 2 3: the trigram occurred at the start, followed by 4 5
-    assert lookup.draft(3) == [4, 5, 9]
-    lookup.extend([6, 2, 3])  # no earlier "6 2 3": the bigram "2 3" last ended before the trailing 6
-    assert lookup.draft(2) == [6, 2]
+    lookup.extend([1, 2, 3])  # "2 3" ended at 3 and at 8; the first occurrence matches "1 2 3", three tokens
+    assert lookup.match(3) == ([4, 5, 9], 3)
+    lookup.extend([6, 2, 3])  # "6 2 3" never occurred: every "2 3" matches two tokens, and the latest wins
+    assert lookup.match(2) == ([6, 2], 2)
     lookup.extend([42])
-    assert lookup.draft(4) == []  # 42 never occurred before
-    assert PromptLookup([]).draft(4) == []
+    assert lookup.match(4) == ([], 0)  # "3 42" never occurred before
+    assert PromptLookup([]).match(4) == ([], 0)
+
+
+def test_of_the_four_latest_occurrences_the_one_matching_furthest_back_wins():
+    # "3 50" after "1 2" at the start (a match of four tokens), then after "9" again and again (two).
+    among_them = PromptLookup([1, 2, 3, 50, 60] + [9, 3, 50, 61] * 3 + [1, 2, 3, 50])
+    assert among_them.match(2) == ([60, 9], 4)
+    fifth_latest = PromptLookup([1, 2, 3, 50, 60] + [9, 3, 50, 61] * 4 + [1, 2, 3, 50])
+    assert fifth_latest.match(2) == ([61, 1], 2)  # not tried: the latest of the four wins their tie
+
+
+def test_a_long_match_drafts_further_than_a_short_one_at_the_start():
+    short, long = PromptLookup([5, 6, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]), PromptLookup([])
+    short.extend([9, 5, 6])  # "5 6" twice, neither matching further back than itself
+    long.extend(list(range(40)) + list(range(20)))
+    assert short.match(8)[1] == 2 and long.match(8)[1] == MAX_MATCH
+    assert 0 < len(short.draft(8, 0.4)) < len(long.draft(8, 0.4))
+    assert short.draft(8, 0.9) == [] and long.draft(8, 0.9) == []  # no class is expected to keep 0.9 of them
 
 
 def _decode(control: DraftControl, acceptance: float, token_cost: float, assumed: float, tokens: int = 20_000) -> float:
@@ -64,6 +81,17 @@ def test_drafting_pays_where_most_drafts_are_kept():
     for _ in range(20):
         control.verified(4, 0)
     assert control.length(MAX_DRAFT) == 0  # off after a run of rejections
+
+
+def test_each_kind_of_draft_keeps_its_own_estimate():
+    control = DraftControl((0.8, 0.8))
+    for _ in range(20):
+        control.verified(4, 0, kind=0)  # short matches rejected: long ones still drafted
+    assert control.length(MAX_DRAFT, 0.4, kind=0) == 0 < control.length(MAX_DRAFT, 0.4, kind=1)
+    assert control.may_pay(0.4)
+    for _ in range(20):
+        control.verified(4, 0, kind=1)
+    assert not control.may_pay(0.4)
 
 
 def test_the_measured_draft_cost_is_kept_for_the_next_engine(tmp_path, monkeypatch):
