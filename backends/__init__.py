@@ -11,7 +11,7 @@ from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError, Invali
 from edgeinfer.kv import MIN_KV_TOKENS
 from edgeinfer.models.info import ModelInfo
 
-from .base import CPU, Backend, BackendOptions
+from .base import CPU, Backend, BackendOptions, check_options
 
 log = logging.getLogger("edgeinfer.backends")
 
@@ -84,7 +84,8 @@ def _passed_over(
     cache. Options another backend would refuse too are the caller's to fix: their error stands."""
     default = cls.devices()[0]
     try:
-        loading = options(cls) if options is not None else BackendOptions(kv_tokens=MIN_KV_TOKENS)
+        fallback = BackendOptions(kv_tokens=MIN_KV_TOKENS, kv_type=None)  # its default device and KV type
+        loading = options(cls) if options is not None else check_options(cls, fallback)
     except InvalidOptionError as exc:
         if not default.has_own_memory:
             raise

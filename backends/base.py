@@ -37,7 +37,7 @@ class BackendOptions:
     """How the engine asks a backend to set itself up."""
 
     kv_tokens: int  # KV cells wanted in all, across sequences; the backend may round up to its ``kv_block``
-    kv_type: str = "f16"  # one of the backend's ``kv_types``
+    kv_type: str | None = "f16"  # one of the backend's ``kv_types``; None: its first (``check_options`` chooses)
     threads: int = 1
     batch_size: int = DEFAULT_BATCH_SIZE  # most tokens one evaluation step takes
     n_seq: int = 1  # sequences the cache holds at once
@@ -204,8 +204,11 @@ class Backend(Protocol):
 
 
 def check_options(backend: type[Backend], options: BackendOptions) -> BackendOptions:
-    """``options`` with its device by name (``--device 1``: the backend's second device after its default), or a
-    one-line refusal of what the backend cannot honour, naming the choices."""
+    """``options`` with its device by name (``--device 1``: the backend's second device after its default) and its
+    KV type (None: the backend's first), or a one-line refusal of what the backend cannot honour, naming the
+    choices."""
+    if options.kv_type is None:
+        options = dataclasses.replace(options, kv_type=backend.kv_types[0])
     if options.kv_type not in backend.kv_types:
         raise InvalidOptionError(
             f"KV type {options.kv_type!r} is not supported by the {backend.name} backend; "

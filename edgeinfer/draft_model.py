@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from edgeinfer.backends.base import ARGMAX_NOT_FINITE, Backend, Span
 from edgeinfer.errors import BackendError
 from edgeinfer.sequences import common_prefix
-from edgeinfer.speculative import PRIOR_ACCEPTANCE, Drafter
+from edgeinfer.speculative import Drafter
 
 
 class DraftModel:
@@ -70,7 +70,7 @@ class ModelDrafts(Drafter):
     """One answer's drafts from a ``DraftModel``, as many as pay at the acceptance its drafts have shown."""
 
     def __init__(self, model: DraftModel, seq: int, tokens: Sequence[int]) -> None:
-        super().__init__(tokens, (PRIOR_ACCEPTANCE,))
+        super().__init__(tokens)
         self._model, self._seq = model, seq
 
     def _propose(self, available: int, token_cost: float) -> list[int]:

@@ -150,6 +150,7 @@ class Engine:
         self.threads = thread_count(threads)
         requested = BackendOptions(
             kv_tokens=0,
+            kv_type=kv_type,
             threads=self.threads,
             batch_size=batch_size,
             n_seq=sequences,
@@ -160,7 +161,7 @@ class Engine:
         def loading(cls: type[Backend]) -> BackendOptions:
             """The options ``cls`` would load the model with: its device by name, its KV type, the budget in its
             cells."""
-            options = check_options(cls, dataclasses.replace(requested, kv_type=kv_type or cls.kv_types[0]))
+            options = check_options(cls, requested)
             wanted = min(
                 self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, options.kv_type), cls.kv_block),
                 self.info.hparams.n_ctx_train,
@@ -206,7 +207,7 @@ class Engine:
         # What a drafted token costs depends on the model's kernels on this CPU, on the device and the threads.
         st = self.model_path.stat()
         self._draft_cost = DraftCost(
-            f"{self.backend.name}/{options.device}/{self.threads}t/{'+'.join(cpu_features())}/"
+            f"{self.backend.name}/{options.device}/{self.threads}t/{options.kv_type}/{'+'.join(cpu_features())}/"
             f"{self.model_path.name}:{st.st_size}:{st.st_mtime_ns}"
         )
         self.capacity = min(options.kv_tokens, self.backend.capacity)

@@ -39,18 +39,20 @@ DRAFT_TOKEN_COST = 0.7
 PRIOR_ACCEPTANCE = 0.8
 ACCEPTANCE_WEIGHT = 0.25  # how much one verified position moves an estimate
 # Tokens over which an estimate drifts back to its prior where a drafted token costs a whole step (where it
-# costs less, it drifts slower): rejected probes then cost under 3% of decode whatever a drafted token costs.
+# costs less, it drifts slower; with several kinds of draft, each that many times slower): rejected probes then
+# cost under 3% of decode whatever a drafted token costs (tests/test_speculative.py).
 RECOVERY_TOKENS = 64
 
 # Prompt lookup matches the text's last two tokens against their RECENT_MATCHES latest earlier occurrences and
 # drafts what followed the one whose match reaches furthest back (up to MAX_MATCH tokens): the longer the match,
 # the likelier the answer is copying that very passage. Each answer keeps one acceptance estimate per class of
-# match length: 2 tokens, 3-4, 5-8, 9 and more. The priors are what SmolLM2's greedy answers to the 60
-# input-grounded and 20 chat prompts of scripts/data/speculative_prompts.jsonl showed (each class's mean run of
-# kept tokens, read as a geometric chance: 1.8, 2.8, 3.2-4.5 and 6-6.5 of 8), so a long match is drafted further
-# from the first step. Against the latest trigram's or bigram's continuation with one estimate, this drafted
-# 1.07x, 1.02x and 1.02x as fast on extraction, rewriting and summarising, at a drafted token's cost of 0.4
-# (docs/BENCHMARKS.md, "Matches by length").
+# match length: 2 tokens, 3-4, 5-8, 9 and more. The priors follow what SmolLM2's greedy answers to the 60
+# input-grounded and 20 chat prompts of scripts/data/speculative_prompts.jsonl showed: each class's mean run of
+# kept tokens (1.8, 2.8, 3.1-4.5 and 5.9-6.5 of 8) read as a geometric chance (0.65, 0.76, 0.79-0.87, 0.93-0.95),
+# the last taken down to 0.9 to be safe, so a long match is drafted further from the first step. Against the latest
+# trigram's or bigram's continuation with one estimate, this drafted 1.07x, 1.05x and 1.01x as fast on
+# extraction, rewriting and summarising, replayed at a drafted token's cost of 0.4, and 1.04x, 1.06x and 1.01x
+# measured at 0.36 (docs/BENCHMARKS.md, "Matches by length").
 NGRAM = 2
 RECENT_MATCHES = 4
 MAX_MATCH = 16
@@ -81,7 +83,7 @@ class Drafter:
     """Drafts one answer's next tokens and learns from their verification: ``PromptLookup`` from the text so far,
     ``edgeinfer.draft_model.ModelDrafts`` by a smaller model. ``control`` says how many of them pay."""
 
-    def __init__(self, tokens: Sequence[int], priors: Sequence[float]) -> None:
+    def __init__(self, tokens: Sequence[int], priors: Sequence[float] = (PRIOR_ACCEPTANCE,)) -> None:
         self._tokens: list[int] = list(tokens)
         self.control = DraftControl(priors)
         self._kind = 0  # the acceptance class of the last draft
@@ -116,7 +118,7 @@ class PromptLookup(Drafter):
 
     def __init__(self, tokens: Sequence[int]) -> None:
         super().__init__(tokens, MATCH_PRIORS)
-        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._ends: dict[tuple[int, ...], deque[int]] = {}  # each bigram's latest ends, all a lookup reads
         self._indexed = 0  # the bigrams ending before this position are in the index
 
     def match(self, limit: int) -> tuple[list[int], int]:
@@ -124,10 +126,10 @@ class PromptLookup(Drafter):
         match reaches back (0: none)."""
         text, ends = self._tokens, self._ends
         for end in range(max(self._indexed, NGRAM), len(text)):  # every bigram but the one the text ends with
-            ends.setdefault(tuple(text[end - NGRAM : end]), []).append(end)
+            ends.setdefault(tuple(text[end - NGRAM : end]), deque(maxlen=RECENT_MATCHES)).append(end)
         self._indexed = len(text)
         best, best_length = 0, 0
-        for end in reversed(ends.get(tuple(text[-NGRAM:]), [])[-RECENT_MATCHES:]):  # the latest first wins a tie
+        for end in reversed(ends.get(tuple(text[-NGRAM:]), ())):  # the latest first: it wins a tie
             length = NGRAM
             while length < MAX_MATCH and end > length and text[end - length - 1] == text[-length - 1]:
                 length += 1
@@ -183,13 +185,15 @@ class DraftControl:
 
     def skipped(self, token_cost: float = DRAFT_TOKEN_COST) -> None:
         """A token decoded without a draft verified: drift back towards the priors, to try again later; the
-        cheaper a drafted token, the sooner a draft pays again, so the slower the drift."""
+        cheaper a drafted token, the sooner a draft pays again, so the slower the drift. Each of ``n`` kinds
+        drifts ``n`` times slower, so that their probes together cost what one kind's would."""
+        rate = min(1.0, token_cost) / (RECOVERY_TOKENS * len(self._priors))
         for kind, prior in enumerate(self._priors):
-            self.acceptance[kind] += (prior - self.acceptance[kind]) * min(1.0, token_cost) / RECOVERY_TOKENS
+            self.acceptance[kind] += (prior - self.acceptance[kind]) * rate
 
 
 class DraftCost:
-    """What a drafted token costs on this machine for one model, backend and thread count: measured from the
+    """What a drafted token costs on this machine for one model, backend, thread count and KV type: measured from the
     engine's own decode steps, kept across runs in the cache folder (``draft-costs.json``).
 
     ``value`` is fixed for the life of an engine (the one kept, else DRAFT_TOKEN_COST), so its drafts, and with

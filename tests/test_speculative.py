@@ -8,7 +8,16 @@ from collections import Counter
 import pytest
 
 from edgeinfer import Engine, InvalidOptionError, SamplingParams, Speculation
-from edgeinfer.speculative import DRAFT_TOKEN_COST, MAX_DRAFT, MAX_MATCH, DraftControl, DraftCost, PromptLookup
+from edgeinfer.speculative import (
+    DRAFT_TOKEN_COST,
+    MATCH_PRIORS,
+    MAX_DRAFT,
+    MAX_MATCH,
+    PRIOR_ACCEPTANCE,
+    DraftControl,
+    DraftCost,
+    PromptLookup,
+)
 
 from support import MIN_MARGIN, active_sequence, greedy_margins
 
@@ -47,32 +56,34 @@ def test_a_long_match_drafts_further_than_a_short_one_at_the_start():
 
 
 def _decode(control: DraftControl, acceptance: float, token_cost: float, assumed: float, tokens: int = 20_000) -> float:
-    """Decode speed with ``control`` drafting, as a share of decoding one token per step: each drafted token
-    is right with chance ``acceptance`` (given the one before it was) and costs ``token_cost`` of a step, where
-    the controller was told ``assumed``."""
-    draws = random.Random(0)
+    """Decode speed with ``control`` drafting as a ``Drafter`` asks it, as a share of decoding one token per step:
+    each step's draft is of a kind drawn at random, each drafted token is right with chance ``acceptance`` (given
+    the one before it was) and costs ``token_cost`` of a step, where the controller was told ``assumed``."""
+    draws, kinds = random.Random(0), random.Random(1)
     steps = drafted = decoded = 0
     while decoded < tokens:
-        k = control.length(MAX_DRAFT, assumed)
+        kind = kinds.randrange(len(control.acceptance))
+        k = control.length(MAX_DRAFT, assumed, kind) if control.may_pay(assumed) else 0
         if k == 0:
             control.skipped(assumed)
         accepted = 0
         while accepted < k and draws.random() < acceptance:
             accepted += 1
         if k:
-            control.verified(k, accepted)
+            control.verified(k, accepted, kind)
         steps, drafted, decoded = steps + 1, drafted + k, decoded + accepted + 1
     return decoded / (steps + drafted * token_cost)
 
 
+@pytest.mark.parametrize("priors", [(PRIOR_ACCEPTANCE,), MATCH_PRIORS], ids=["one kind", "match classes"])
 @pytest.mark.parametrize("acceptance", [0.0, 0.2, 0.4, 0.6, 0.8, 0.95])
 @pytest.mark.parametrize("token_cost", [0.2, 0.4, DRAFT_TOKEN_COST, 1.0])
-def test_drafting_never_costs_more_than_three_percent_of_decode_speed(acceptance, token_cost):
+def test_drafting_never_costs_more_than_three_percent_of_decode_speed(priors, acceptance, token_cost):
     # Where a drafted token costs what the controller was told (DraftCost measures it), at any acceptance.
-    assert _decode(DraftControl(), acceptance, token_cost, assumed=token_cost) >= 0.97
+    assert _decode(DraftControl(priors), acceptance, token_cost, assumed=token_cost) >= 0.97
     # Before a measurement: every draft rejected, with a drafted token as dear as a whole step.
     if acceptance == 0.0:
-        assert _decode(DraftControl(), acceptance, 1.0, assumed=DRAFT_TOKEN_COST) >= 0.97
+        assert _decode(DraftControl(priors), acceptance, 1.0, assumed=DRAFT_TOKEN_COST) >= 0.97
 
 
 def test_drafting_pays_where_most_drafts_are_kept():

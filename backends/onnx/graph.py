@@ -44,6 +44,7 @@ from .spec import (
     BUILDER_VERSION,
     FLOAT_TYPES,
     INPUT_IDS,
+    IR_VERSION,
     LOGIT_ROWS,
     LOGITS,
     POSITION_IDS,
@@ -55,7 +56,7 @@ from .spec import (
 )
 from .weights import NBits, ZeroPoints, concat, matmul, nbits, pack4
 
-OPSET = 21
+OPSET = 21  # IR_VERSION 10's
 MS_DOMAIN = "com.microsoft"
 KV_ELEMENT = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16}
 EIGHT_BIT_ACCURACY_LEVEL = 4
@@ -327,7 +328,9 @@ class _Builder:
             outputs += [helper.make_tensor_value_info(name, kv, cache_shape) for name in present_names(layer)]
         graph = helper.make_graph(self.nodes, "edgeinfer", inputs, outputs)
         model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+            ir_version=IR_VERSION,
         )
         # Moved in one by one, each copy's original let go at once: make_graph and make_model each copy
         # what they are given, which took a build to 3x the weights (SmolLM2: 514 MiB for a 141 MiB graph).

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.metadata
 import json
 import logging
 import re
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
     import onnx
 
 log = logging.getLogger("edgeinfer.backends.onnx")
-_ONNX_RELEASE = importlib.metadata.version("onnx")
 
 
 def file_digest(path: Path) -> str:
@@ -59,10 +57,9 @@ def file_digest(path: Path) -> str:
 
 def graph_path(info: ModelInfo, spec: GraphSpec) -> Path:
     """Where the graph for ``info`` built under ``spec`` is kept."""
-    # onnx's release too (it sets the IR version): the cache folder may serve environments with other onnx and
-    # onnxruntime releases. Read from its metadata: importing onnx takes 0.8 s, which a load that finds its graph
-    # built does without.
-    name = f"{_gguf_digest(info.path)[:32]}-v{BUILDER_VERSION}-onnx{_ONNX_RELEASE}-{spec.key}.onnx"
+    # The builder's version, not onnx's: the graph declares a fixed IR version (spec.py), and importing onnx takes
+    # 0.8 s, which a load that finds its graph built does without.
+    name = f"{_gguf_digest(info.path)[:32]}-v{BUILDER_VERSION}-{spec.key}.onnx"
     return cache_dir() / "onnx" / name
 
 
@@ -259,8 +256,7 @@ _BUILT_NAME = re.compile(r"([0-9a-f]{32})-v([0-9]+)-")
 
 def _remove_older_builds(path: Path) -> None:
     """Remove the graphs an older builder made from the same GGUF; an older edgeinfer in another environment
-    sharing the cache builds its own again if it needs it. The graphs this builder made under another onnx
-    release stay: another environment sharing the cache loads them."""
+    sharing the cache builds its own again if it needs it."""
     digest = path.name[:32]
     for other in path.parent.glob(f"{digest}-v*"):
         name = _BUILT_NAME.match(other.name)

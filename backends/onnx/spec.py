@@ -14,9 +14,12 @@ from gguf import GGMLQuantizationType as QType
 from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
 
-# Bumped whenever the graph built from the same file changes, or the cache's names for it: cached graphs of another
-# version are rebuilt, and older ones removed. 8: named by onnx's release, not its IR version.
+# Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt, and
+# older ones removed. 8: the IR version fixed, not the installed onnx's (14 for onnx 1.23).
 BUILDER_VERSION = 8
+# The ONNX IR version the graph declares, whichever onnx release builds it, so that its name in the cache needs no
+# onnx at load: 10, the first with opset 21, which ONNX Runtime has read since 1.20.
+IR_VERSION = 10
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 FOUR_BIT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q4_K)  # MatMulNBits' 4-bit codes; the other types become 8-bit
 # The types ``nbits`` maps.

@@ -70,7 +70,7 @@ def bench(
                 f"{info.hparams.n_ctx_train}-token context; lower --prompt-tokens or --gen-tokens"
             )
     kv_tokens = max(prompt_tokens + gen_tokens, MIN_KV_TOKENS)
-    options = BackendOptions(kv_tokens=kv_tokens, threads=threads, device=device, gpu_layers=gpu_layers)
+    options = BackendOptions(kv_tokens=kv_tokens, kv_type=None, threads=threads, device=device, gpu_layers=gpu_layers)
 
     def loading(cls: type[Backend]) -> BackendOptions:
         return check_options(cls, options)
@@ -163,14 +163,14 @@ def exact_prompt(model_path: Path, n: int) -> str:
 
 def decode_bytes_per_token(info: ModelInfo, backend: str, context: int) -> int:
     """Bytes one decode step on the CPU reads: the weights as ``backend`` holds them, and a ``context``-token
-    f16 KV cache."""
+    KV cache of its default type, as the bench's engines keep."""
     backend_cls = backend_class(backend)
     # The embedding table gives one row per token, unless it doubles as the output matrix.
     skipped = None if info.hparams.tied_embeddings else "token_embd.weight"
     in_file = sum(t.nbytes for t in info.tensors if t.name != skipped)
     # A backend that expands the weights (the reference holds f32) reads that much more.
     expansion = backend_cls.memory(info, BackendOptions(kv_tokens=context)).weights / info.file_size
-    return int(in_file * expansion) + int(context * backend_cls.kv_bytes_per_token(info, "f16"))
+    return int(in_file * expansion) + int(context * backend_cls.kv_bytes_per_token(info, backend_cls.kv_types[0]))
 
 
 def read_bandwidth(nbytes: int, threads: int) -> float:
