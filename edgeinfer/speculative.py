@@ -17,6 +17,7 @@ for themselves at the acceptance the answer has shown, and stops drafting where 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import json
@@ -79,7 +80,7 @@ class Speculation(enum.Enum):
             raise InvalidOptionError(f"unknown speculative mode {value!r}; choose one of {choices}") from None
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """Drafts one answer's next tokens and learns from their verification: ``PromptLookup`` from the text so far,
     ``edgeinfer.draft_model.ModelDrafts`` by a smaller model. ``control`` says how many of them pay."""
 
@@ -104,16 +105,18 @@ class Drafter:
         """The last draft's ``drafted`` tokens were verified, and the first ``accepted`` kept."""
         self.control.verified(drafted, accepted, self._kind)
 
+    @abc.abstractmethod
     def _propose(self, available: int, token_cost: float) -> list[int]:
-        raise NotImplementedError
+        """Up to ``available`` tokens, as many as ``control`` says pay at ``token_cost``; sets ``_kind``, the
+        acceptance class the draft is judged in, where the drafter has several."""
 
 
 class PromptLookup(Drafter):
     """Drafts what followed an earlier occurrence of the text's last tokens, chosen by how far back it matches.
 
-    An index maps every bigram of the text but the one it ends with to where its occurrences ended, so a lookup
-    reads a few positions. It is brought up to date when a draft is asked for, so tokens decoded while drafting
-    is off cost an append each.
+    An index maps every bigram of the text but the one it ends with to where its RECENT_MATCHES latest
+    occurrences ended, so a lookup reads a few positions. It is brought up to date when a draft is asked for, so
+    tokens decoded while drafting is off cost an append each.
     """
 
     def __init__(self, tokens: Sequence[int]) -> None:

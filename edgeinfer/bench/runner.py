@@ -168,9 +168,10 @@ def decode_bytes_per_token(info: ModelInfo, backend: str, context: int) -> int:
     # The embedding table gives one row per token, unless it doubles as the output matrix.
     skipped = None if info.hparams.tied_embeddings else "token_embd.weight"
     in_file = sum(t.nbytes for t in info.tensors if t.name != skipped)
+    options = check_options(backend_cls, BackendOptions(kv_tokens=context, kv_type=None))  # its default KV type
     # A backend that expands the weights (the reference holds f32) reads that much more.
-    expansion = backend_cls.memory(info, BackendOptions(kv_tokens=context)).weights / info.file_size
-    return int(in_file * expansion) + int(context * backend_cls.kv_bytes_per_token(info, backend_cls.kv_types[0]))
+    expansion = backend_cls.memory(info, options).weights / info.file_size
+    return int(in_file * expansion) + int(context * backend_cls.kv_bytes_per_token(info, options.kv_type))
 
 
 def read_bandwidth(nbytes: int, threads: int) -> float:
