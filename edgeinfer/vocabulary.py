@@ -75,7 +75,7 @@ class GGUFVocabulary:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        meta = self.metadata = {
+        meta = {
             key: _plain(value)
             for key, value in read_header(self.path).metadata.items()
             if key.startswith(("tokenizer.", "edgeinfer."))
@@ -84,7 +84,6 @@ class GGUFVocabulary:
         self.tokens: list[str] = meta[Keys.Tokenizer.LIST]
         self.n_vocab = len(self.tokens)
         vocab = {t: i for i, t in enumerate(self.tokens)}
-        self._vocab_ids = vocab
         self._unk_id: int = meta.get(Keys.Tokenizer.UNK_ID, 0)
         self._characters: dict[int, str] = {}
         by_text = {vocab[t] for t in EOG_TEXTS if t in vocab}
@@ -126,6 +125,9 @@ class GGUFVocabulary:
         added = list(zip(self.tokens, self.types, strict=True))
         self.hf_tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t, k in added if k in _SPECIAL])
         self.hf_tokenizer.add_tokens([AddedToken(t, normalized=False) for t, k in added if k == TokenType.USER_DEFINED])
+        # The long arrays (merges, scores, token types: SmolLM2's took 5 MB as Python objects) live on in the
+        # tokenizer built from them; only the single values stay for meta().
+        self.metadata = {key: value for key, value in meta.items() if not isinstance(value, list)}
 
     def _only_llamacpp(self, what: str) -> InvalidModelError:
         return InvalidModelError(
@@ -201,7 +203,7 @@ class GGUFVocabulary:
 
     def _bytes(self, char: str) -> list[int]:
         """The byte tokens of ``char``'s UTF-8, or the unknown token where the vocabulary has none."""
-        byte_ids = [self._vocab_ids.get(f"<0x{b:02X}>") for b in char.encode()]
+        byte_ids = [self.hf_tokenizer.token_to_id(f"<0x{b:02X}>") for b in char.encode()]
         if None in byte_ids:
             return [self._unk_id]
         return byte_ids  # type: ignore[return-value]
