@@ -865,7 +865,7 @@ class Engine:
                     return
                 raise
             elapsed = perf_counter() - t
-            if len(spans) == 1:  # a step of one answer alone times its draft's cost
+            if len(spans) == 1 and self.speculative is not Speculation.OFF:  # one answer alone times its draft's cost
                 self._draft_cost.observe(len(spans[0].tokens), elapsed)
             self._decode_steps += 1
             self._decoded_tokens += len(spans)

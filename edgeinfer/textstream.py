@@ -26,6 +26,10 @@ class TextStream:
         """Feed one token's bytes; return the newly displayable text."""
         if self.stopped:
             return ""
+        if not self._stop:  # nothing to hold back: a token's text as it decodes (a third of the work, per token)
+            out = self._decoder.decode(piece)
+            self.text += out
+            return out
         return self._emit(self._held + self._decoder.decode(piece))
 
     def flush(self) -> str:

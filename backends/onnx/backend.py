@@ -247,17 +247,21 @@ class OnnxRuntimeBackend:
         lengths = self._lengths()
         check_spans(spans, lengths, self._n_vocab)
         check_room(sum(len(span.tokens) for span in spans), self.capacity - sum(lengths), self.capacity)
-        needs = {span.seq: span.start + len(span.tokens) for span in spans}
-        if any(need > self._regions[seq].size for seq, need in needs.items()):
-            self._lay_out(needs)
+        regions, chunk = self._regions, self._batch_size
+        if any(span.start + len(span.tokens) > regions[span.seq].size for span in spans):
+            self._lay_out({span.seq: span.start + len(span.tokens) for span in spans})
         out = []
         try:
             if self._batchable(spans):
                 return self._run_together(spans)
             for span in spans:
-                rows = [self._run(span.seq, span.tokens[i : i + self._batch_size], span.all_logits)
-                        for i in range(0, len(span.tokens), self._batch_size)]  # fmt: skip
-                out.append(np.concatenate(rows) if span.all_logits else rows[-1][-1])
+                tokens, all_logits = span.tokens, span.all_logits
+                if len(tokens) <= chunk:  # a decode step, or a short draft: one run
+                    logits = self._run(span.seq, tokens, all_logits)
+                    out.append(logits if all_logits else logits[-1])
+                    continue
+                rows = [self._run(span.seq, tokens[i : i + chunk], all_logits) for i in range(0, len(tokens), chunk)]
+                out.append(np.concatenate(rows) if all_logits else rows[-1][-1])
         except BaseException:
             for span in spans:  # a failed evaluation changes nothing
                 self._regions[span.seq].length = span.start
