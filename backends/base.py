@@ -204,9 +204,9 @@ class Backend(Protocol):
 
 
 def check_options(backend: type[Backend], options: BackendOptions) -> BackendOptions:
-    """``options`` with its device by name (``--device 1``: the backend's second device after its default) and its
-    KV type (None: the backend's first), or a one-line refusal of what the backend cannot honour, naming the
-    choices."""
+    """``options`` with its device by name: its own, its index after the default (``--device 1``: the second), or a
+    part of its name or description (``--device pocl``, ``--device cuda``); and its KV type (None: the backend's
+    first); or a one-line refusal of what the backend cannot honour, naming the choices."""
     if options.kv_type is None:
         options = dataclasses.replace(options, kv_type=backend.kv_types[0])
     if options.kv_type not in backend.kv_types:
@@ -216,13 +216,17 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
         )
     devices = backend.devices()
     names = [d.name for d in devices]
-    index = options.device
-    if index.isascii() and index.isdigit() and index not in names and int(index) < len(devices) - 1:
-        options = dataclasses.replace(options, device=names[int(index) + 1])
+    wanted = options.device
+    if wanted.isascii() and wanted.isdigit() and wanted not in names and int(wanted) < len(devices) - 1:
+        options = dataclasses.replace(options, device=names[int(wanted) + 1])
+    elif wanted not in names and wanted.strip():  # a part of a device's name or description, in any case: the first
+        part = wanted.strip().lower()
+        found = next((d.name for d in devices[1:] if part in d.name.lower() or part in d.description.lower()), None)
+        options = dataclasses.replace(options, device=found or wanted)
     if options.device not in names:
         raise InvalidOptionError(
-            f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)} "
-            "(`edgeinfer info` lists every backend's devices)"
+            f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}, "
+            "or a part of its name (`edgeinfer info` lists every backend's devices)"
         )
     gpu = options.device if options.device != CPU else None
     if gpu is None and devices[0].has_own_memory:  # the default device is a GPU

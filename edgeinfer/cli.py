@@ -99,9 +99,10 @@ def _placement_options(fn: F) -> F:
         default="cpu",
         show_default=True,
         help="Where the model runs: cpu (the backend's default: the first Vulkan device for vulkan), or a device "
-        "its backend offers, by name or by its index after the default; for vulkan, e.g. vulkan1; for the "
-        "onnxruntime backend, an execution provider by its name, e.g. CUDAExecutionProvider; for opencl, a "
-        "platform:device index such as 0:1 (an unknown name lists them; `edgeinfer info` too).",
+        "its backend offers, by name, by its index after the default, or by a part of its name or description; "
+        "for vulkan, e.g. vulkan1; for the onnxruntime backend, an execution provider, e.g. CUDAExecutionProvider "
+        "or cuda; for opencl, a platform:device index such as 0:1, or pocl (an unknown name lists them; "
+        "`edgeinfer info` too).",
     )(fn)
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from contextlib import closing
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tiny_model import write_tiny_gguf
 
 from edgeinfer import BackendError, BackendUnavailableError, Engine
 from edgeinfer.backends import backend_status
-from edgeinfer.backends.base import BackendOptions, Span
+from edgeinfer.backends.base import BackendOptions, Span, check_options
 from edgeinfer.backends.onnx import graph
 from edgeinfer.backends.onnx.activations import FLOAT, INT8, INT8_KLD_LIMIT
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
@@ -348,6 +349,62 @@ def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(t
         np.testing.assert_allclose(again, last, rtol=0, atol=1e-5)
     finally:
         backend.close()
+
+
+def test_a_failure_inside_onnx_runtime_mid_decode_fails_the_call_and_the_next_one_starts_clean(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with Engine(path, backend="onnxruntime", kv_budget="64tok", threads=2, speculative="off") as engine:
+        cold = engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
+        engine.reset()
+        session = engine.backend._session  # type: ignore[attr-defined]
+        real, runs = session.run_with_iobinding, []
+
+        def third_run_fails(binding: object, *args: object) -> None:
+            runs.append(binding)  # the prompt's run, a decode step, then ONNX Runtime's own error on nothing bound
+            return real(session.io_binding() if len(runs) == 3 else binding, *args)
+
+        session.run_with_iobinding = third_run_fails
+        with pytest.raises(BackendError) as exc:
+            engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
+        assert "\n" not in str(exc.value) and "ONNX Runtime failed mid-evaluation" in str(exc.value)
+        del session.run_with_iobinding
+        again = engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
+        assert again.tokens == cold.tokens and again.metrics.cached_tokens == 0
+
+
+def test_info_lists_every_execution_provider_and_a_device_is_named_by_a_part_of_it(tmp_path):
+    import onnxruntime as ort
+
+    listed = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "info", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert listed.returncode == 0, listed.stderr
+    for provider in ort.get_available_providers():
+        assert provider in listed.stdout or provider == "CPUExecutionProvider"
+    for provider in ort.get_available_providers()[:-1]:  # the CPU's comes last, and is "cpu" here
+        part = provider.removesuffix("ExecutionProvider").lower()
+        assert check_options(OnnxRuntimeBackend, options(device=part)).device == provider
+
+
+def test_a_provider_that_cannot_start_here_falls_back_to_the_cpu_in_one_line(tmp_path, monkeypatch, caplog, capsys):
+    # onnxruntime-gpu on a machine whose GPU or CUDA is missing lists CUDA and cannot start it: ONNX Runtime then
+    # runs on the CPU. Listed here as such a build lists it, it is started for real and refused for real.
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA really is available here")
+    available = ort.get_available_providers()
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *available])
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with caplog.at_level(logging.WARNING, logger="edgeinfer"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of ONNX Runtime's own on top of the note
+        engine = Engine(path, backend="onnxruntime", device="cuda", kv_budget="64tok", threads=2)
+    with engine:
+        assert engine.backend._session.get_providers() == ["CPUExecutionProvider"]  # type: ignore[attr-defined]
+        assert len(engine.generate("The", max_tokens=3, temperature=0, ignore_eos=True).tokens) == 3
+    notes = [r.getMessage() for r in caplog.records if "CUDAExecutionProvider" in r.getMessage()]
+    assert len(notes) == 1 and "running on the CPU" in notes[0] and "\n" not in notes[0], notes
+    assert capsys.readouterr().out == ""
 
 
 def test_the_engine_runs_on_it_from_chat_to_stop(model_path):

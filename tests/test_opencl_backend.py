@@ -63,7 +63,7 @@ def test_every_device_is_listed_with_what_the_kernels_need():
     assert devices[0].name == "cpu" and "default OpenCL device" in devices[0].description
     for (device, _), listed in zip(opencl_devices(), devices[1:], strict=True):
         assert listed.name == device.index and listed.total_bytes == device.global_bytes > 0
-        for part in (device.name, device.opencl_c, "compute units", "GiB global", "KiB local"):
+        for part in (device.name, device.version, device.opencl_c, "compute units", "GiB global", "KiB local"):
             assert part in listed.description
         assert ("fp16" in listed.description) and ("subgroups" in listed.description)
 
@@ -72,11 +72,33 @@ def test_a_device_is_picked_by_index_by_a_part_of_its_name_or_by_the_environment
     first, _ = opencl_devices()[0]
     assert choose_device(first.index)[0] == first
     assert choose_device(first.name[3:12].upper())[0] == first  # any part, any case
+    assert choose_device(first.opencl_c.split()[-1].lower())[0] == first  # "pocl", from "OpenCL C 1.2 PoCL"
     monkeypatch.setenv(ENV, first.index)
     assert choose_device(None)[0] == first
     with pytest.raises(InvalidOptionError) as exc:
         choose_device("no such device")
     assert "\n" not in str(exc.value) and first.index in str(exc.value)
+
+
+def test_the_engine_and_the_cli_take_a_device_by_a_part_of_its_name_platform_or_version(tmp_path, model_path):
+    first, _ = opencl_devices()[0]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    for part in (first.name[3:12].upper(), first.platform[:6].lower(), first.opencl_c.split()[-1]):
+        with Engine(path, backend="opencl", device=part, kv_budget="16tok", threads=2) as engine:
+            assert engine.backend.device == first, part  # type: ignore[attr-defined]
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", "The", "--backend", "opencl", "--opencl-device",
+         first.name[3:12], "--model", str(model_path), "--max-tokens", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", "The", "--backend", "opencl", "--opencl-device", "no such device",
+         "--model", str(model_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "no device 'no such device'" in refused.stderr and first.index in refused.stderr
 
 
 def test_without_an_opencl_driver_it_cannot_load_and_says_what_to_install(model_path):
@@ -108,6 +130,29 @@ def test_a_kernel_the_compiler_refuses_is_one_line_with_its_first_error(tmp_path
         backend._build("ops.cl", ["-DHEAD_DIM=not_a_number"])  # as a driver that miscompiles would fail
     message = str(exc.value)
     assert "\n" not in message and "ops.cl" in message and "error" in message.lower()
+
+
+def test_a_device_failure_mid_decode_fails_the_call_and_the_next_one_starts_clean(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with Engine(path, backend="opencl", kv_budget="64tok", threads=2, speculative="off") as engine:
+        cold = engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
+        engine.reset()
+        backend = engine.backend
+        real, runs = backend._run, []  # type: ignore[attr-defined]
+
+        def third_run_fails(*args: object) -> list[np.ndarray]:
+            runs.append(args)  # the prompt, a decode step, then a read past a buffer's end, which the driver refuses
+            if len(runs) == 3:
+                cl.enqueue_copy(backend._queue, np.empty(1 << 22, np.float32), backend._logits)  # type: ignore[attr-defined]
+            return real(*args)
+
+        backend._run = third_run_fails  # type: ignore[attr-defined]
+        with pytest.raises(BackendError) as exc:
+            engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
+        assert "\n" not in str(exc.value) and "OpenCL device failed mid-evaluation" in str(exc.value)
+        del backend._run  # type: ignore[attr-defined]
+        again = engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
+        assert again.tokens == cold.tokens and again.metrics.cached_tokens == 0
 
 
 def test_the_engine_runs_on_it_from_chat_to_stop(model_path):

@@ -16,8 +16,11 @@ batch is cheaper than its rows one by one (not with float activations for 4-bit 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,8 +324,13 @@ class OnnxRuntimeBackend:
         settings.inter_op_num_threads = 1
         settings.log_severity_level = 4  # fatal only: a failed run becomes one BackendError line, not a log line too
         wanted = [CPU_PROVIDER] if options.device == CPU else [options.device, CPU_PROVIDER]
+        said = io.StringIO()
         try:
-            session = ort.InferenceSession(str(graph), settings, providers=wanted)
+            # ONNX Runtime reports a provider it cannot start in lines of its own (a warning; four printed lines as
+            # it retries on the CPU): the one line below says it instead.
+            with warnings.catch_warnings(), contextlib.redirect_stdout(said):
+                warnings.simplefilter("ignore")
+                session = ort.InferenceSession(str(graph), settings, providers=wanted)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own classes, all of them Exception
             if options.device == CPU:
                 raise BackendError(
@@ -331,7 +339,9 @@ class OnnxRuntimeBackend:
             log.warning("%s cannot run %s (%s); running on the CPU", options.device, info.path.name, _first_line(exc))
             return OnnxRuntimeBackend._open_session(info, graph, dataclasses.replace(options, device=CPU))
         if options.device != CPU and options.device not in session.get_providers():
-            log.warning("%s cannot run %s here; running on the CPU", options.device, info.path.name)
+            why = next((line.strip() for line in said.getvalue().splitlines() if line.startswith("EP Error")), "")
+            log.warning("%s cannot run %s here%s; running on the CPU", options.device, info.path.name,
+                        f" ({why[:200]})" if why else "")  # fmt: skip
         return session
 
     def _run(self, seq: int, tokens: Sequence[int], all_logits: bool) -> np.ndarray:

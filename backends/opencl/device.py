@@ -1,8 +1,8 @@
 """The OpenCL devices this machine has, as ``edgeinfer info`` lists them and the backend picks one.
 
 A device is named by its platform and device indices, ``P:D`` (``0:1``: the second device of the
-first platform). The default is ``EDGEINFER_OPENCL_DEVICE`` if set (``P:D`` or a part of a device's
-name, ``pocl`` or ``NVIDIA``), else the first GPU, else the first device.
+first platform), or by a part of its name, its platform's or its OpenCL C version (``pocl``, ``NVIDIA``).
+The default is ``EDGEINFER_OPENCL_DEVICE`` if set, else the first GPU, else the first device.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class OpenCLDevice:
     index: str  # "P:D"
     name: str
     platform: str
+    version: str  # the OpenCL version the device supports, e.g. "OpenCL 3.0"
     opencl_c: str  # the OpenCL C version its compiler takes, e.g. "OpenCL C 1.2 PoCL"
     gpu: bool
     compute_units: int
@@ -38,7 +39,7 @@ class OpenCLDevice:
     def describe(self) -> str:
         features = [f for f, has in (("fp16", self.fp16), ("subgroups", self.subgroups)) if has]
         return (
-            f"{self.name} ({self.platform}; {self.opencl_c}; {'GPU' if self.gpu else 'CPU'}, "
+            f"{self.name} ({self.platform}; {self.version}, {self.opencl_c}; {'GPU' if self.gpu else 'CPU'}, "
             f"{self.compute_units} compute units, {self.global_bytes / 2**30:.1f} GiB global, "
             f"{self.local_bytes // 1024} KiB local; {', '.join(features) or 'no fp16, no subgroups'})"
         )
@@ -64,6 +65,7 @@ def opencl_devices() -> list[tuple[OpenCLDevice, cl.Device]]:
                         index=f"{p}:{d}",
                         name=device.name.strip(),
                         platform=platform.name.strip(),
+                        version=" ".join(device.version.split()[:2]),  # "OpenCL 3.0", without the vendor's part
                         opencl_c=device.opencl_c_version.strip(),
                         gpu=bool(device.type & cl.device_type.GPU),
                         compute_units=device.max_compute_units,
@@ -79,8 +81,9 @@ def opencl_devices() -> list[tuple[OpenCLDevice, cl.Device]]:
 
 
 def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
-    """The device ``wanted`` names (``P:D`` or part of its name; None: ``EDGEINFER_OPENCL_DEVICE``, else the
-    first GPU, else the first device). One line naming the devices there are if none matches."""
+    """The device ``wanted`` names (``P:D``, or a part of its name, platform or OpenCL C version; None:
+    ``EDGEINFER_OPENCL_DEVICE``, else the first GPU, else the first device). One line naming the devices there are
+    if none matches."""
     devices = opencl_devices()
     if not devices:
         raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
@@ -88,7 +91,8 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
     if wanted is None:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
     for pair in devices:
-        if wanted == pair[0].index or wanted.lower() in pair[0].name.lower():
+        info = pair[0]
+        if wanted == info.index or wanted.lower() in f"{info.name} {info.platform} {info.opencl_c}".lower():
             return pair
     names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
     raise InvalidOptionError(f"no OpenCL device {wanted!r} here; choose one by index or a part of its name: {names}")
