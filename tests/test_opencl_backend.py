@@ -155,6 +155,25 @@ def test_a_device_failure_mid_decode_fails_the_call_and_the_next_one_starts_clea
         assert again.tokens == cold.tokens and again.metrics.cached_tokens == 0
 
 
+def test_kernels_are_built_once_and_kept_as_binaries_where_the_driver_keeps_no_builds(tmp_path, monkeypatch):
+    # PoCL and NVIDIA's driver keep their own builds, and pyopencl leaves them to it; for the other drivers (Mali,
+    # Adreno, Intel) pyopencl keeps the binaries, here in edgeinfer's cache folder. PoCL is taken for such a driver.
+    import pyopencl.characterize
+
+    monkeypatch.setattr(pyopencl.characterize, "has_src_build_cache", lambda device: None)
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as first:
+        first.eval([Span(0, 0, [1, 2, 3])])
+        built = {key: program._build_duration_info[0] for key, program in first._programs.items()}
+    assert built and set(built.values()) == {"source build resulting from a binary cache miss"}
+    assert any(path.is_file() for path in (tmp_path / "cache" / "opencl" / "binaries").rglob("*"))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as second:
+        second.eval([Span(0, 0, [1, 2, 3])])
+        kept = {key: program._build_duration_info[0] for key, program in second._programs.items()}
+    assert kept.keys() <= built.keys() and set(kept.values()) == {"cache retrieval"}  # the first also tuned
+
+
 def test_the_engine_runs_on_it_from_chat_to_stop(model_path):
     with Engine(model_path, backend="opencl", kv_budget="256tok", threads=2) as engine:
         result = engine.chat([{"role": "user", "content": "Name three colours."}], max_tokens=12, seed=1)

@@ -39,7 +39,7 @@ from edgeinfer.models.gguf_file import TensorInfo
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import GGUFTensors, open_tensors
-from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
+from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed, cache_dir
 
 from ..base import ARGMAX_NOT_FINITE, CPU, BackendOptions, Device, Span, check_spans, compute_bytes
 from ..cells import CellPool, PooledBackend
@@ -226,6 +226,7 @@ class OpenCLBackend(PooledBackend):
         defines += ["-DKV_HALF"] if options.kv_type == "f16" else []
         self._defines = defines
         self._programs: dict[tuple[str, tuple[str, ...]], cl.Program] = {}
+        self._binaries = _binaries_folder()
         tensors = self._stack.enter_context(open_tensors(info))
         self._shapes = self._tune(info, tensors)
         embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
@@ -412,9 +413,12 @@ class OpenCLBackend(PooledBackend):
     # -- inside -------------------------------------------------------------------------------------
 
     def _build(self, name: str, defines: list[str]) -> cl.Program:
-        """A program from ``kernels/``, built for this device; its first compiler error in one line if it fails."""
+        """A program from ``kernels/``, built for this device, or its binary from an earlier build where the driver
+        gives and takes binaries (pyopencl's cache, keyed by the device, the source and the options); its first
+        compiler error in one line if it fails."""
         try:
-            return cl.Program(self._context, (KERNELS / name).read_text()).build(options=defines)
+            program = cl.Program(self._context, (KERNELS / name).read_text())
+            return program.build(options=defines, cache_dir=self._binaries)
         except cl.RuntimeError as exc:
             errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
             first = errors[1] if len(errors) > 1 else _first_line(exc)  # errors[0] is pyopencl's own heading
@@ -717,6 +721,17 @@ def _largest_matrix(info: ModelInfo) -> int:
     skipped = {tensor_name(MODEL_TENSOR.TOKEN_EMBD), tensor_name(MODEL_TENSOR.OUTPUT)}
     largest = max((math.prod(t.shape) for t in info.tensors if len(t.shape) > 1 and t.name not in skipped), default=0)
     return max(largest, (hp.q_dim + 2 * hp.kv_dim) * hp.n_embd, 2 * hp.n_ff * hp.n_embd)
+
+
+def _binaries_folder() -> str | bool:
+    """Where built kernels are kept (``EDGEINFER_CACHE_DIR/opencl/binaries``); False, building from source at every
+    load, where that folder cannot be made (pyopencl would warn in many lines at each build)."""
+    folder = cache_dir() / "opencl" / "binaries"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return str(folder)
 
 
 def _first_line(exc: BaseException) -> str:
