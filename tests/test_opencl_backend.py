@@ -294,6 +294,39 @@ def test_every_shape_the_tuning_may_choose_computes_the_same_product(tmp_path, t
             np.testing.assert_array_equal(dequantized, w, err_msg=str(layout))
 
 
+@pytest.mark.parametrize("type_name", ["F32", "Q4_0"])
+def test_every_group_size_of_the_prompts_product_computes_the_same_chunk(tmp_path, type_name):
+    """The tuning picks the tiled product's groups by speed too: each gives every token's product, for 203 rows
+    and 7 tokens (neither a whole number of 4-wide tiles, nor of any group), and writes nothing past them."""
+    from dataclasses import replace
+
+    from gguf.quants import dequantize
+
+    from edgeinfer.backends.opencl.tuning import GEMM_LOCALS
+    from edgeinfer.converters import quantize
+
+    kind = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(1)
+    n, k, tokens, ld = 203, 256, 7, 210  # ld: each token's row of y, longer than n
+    weights = rng.standard_normal((n, k)).astype(np.float32)
+    raw = weights.view(np.uint8) if kind == GGMLQuantizationType.F32 else quantize.quantize(weights, kind)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    truth = x.astype(np.float64) @ dequantize(raw, kind).reshape(n, k).T.astype(np.float64)
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+        backend._dequantized = backend._scratch(4 * n * k)  # the tiny model's own is smaller
+        matrix = backend._matrix_of(kind, raw, k, Shape())
+        xs, y = backend._buffer(x), backend._scratch(4 * tokens * ld)
+        for local in GEMM_LOCALS:
+            chunk = backend._product(matrix, replace(Shape(), gemm_local=local), (xs, k), (y, ld), None, 0)
+            cl.enqueue_copy(backend._queue, y, np.full(tokens * ld, np.nan, np.float32))
+            chunk.enqueue(backend._queue, tokens)
+            out = np.empty((tokens, ld), np.float32)
+            cl.enqueue_copy(backend._queue, out, y)
+            assert np.isnan(out[:, n:]).all(), local
+            assert np.abs(out[:, :n] - truth).max() <= 1e-4 * np.abs(truth).max(), local
+
+
 def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch, caplog):
     """A first load times the products' shapes, saying so as it goes (the command shows it on a terminal), and
     records them under the device; a second load reads the record (an unreadable one is measured again)."""
@@ -316,8 +349,10 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     timed.clear()
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         assert backend._shapes == shapes and not timed
-    for unreadable in ('{"Q8_0 128x128": {"local": null}}', '{"Q8_0 128x128": {"rows": 4, "local": null}}'):
-        record.write_text(unreadable)  # a field missing (the second: a record from before the scales' layouts)
+    unreadable = ('{"Q8_0 128x128": {"local": null}}', '{"Q8_0 128x128": {"rows": 4, "local": null}}',
+                  '{"Q8_0 128x128": {"rows": 4, "local": null, "float_scales": false, "lanes": false}}')  # fmt: skip
+    for text in unreadable:  # a field missing: the second a record from before the scales' layouts, the third from
+        record.write_text(text)  # before the prompt's product was timed
         assert tuning.recorded_shapes(record) == {}
     record.write_text("{not json")
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:  # timed again: maybe not alike
@@ -337,7 +372,7 @@ def test_a_recorded_shape_the_type_cannot_take_is_measured_again(tmp_path, monke
     OpenCLBackend(info, BackendOptions(kv_tokens=16)).close()  # times and records every product
     (record,) = (tmp_path / "cache" / "opencl").glob("shapes-*.json")
     fields = json.loads(record.read_text())
-    fields["F16 128x128"] = {"rows": 16, "local": None, "float_scales": True, "lanes": True}
+    fields["F16 128x128"] = {"rows": 16, "local": None, "float_scales": True, "lanes": True, "gemm_local": None}
     record.write_text(json.dumps(fields))
     timed = []
     real = tuning.Timer.tune

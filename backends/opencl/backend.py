@@ -23,7 +23,7 @@ import itertools
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -126,6 +126,7 @@ class Product:
     gemm: cl.Kernel  # its arguments set but the token count, which a chunk sets
     n: int
     args: tuple[object, ...]
+    shape: Shape  # the gemm's groups too
 
     def enqueue(self, queue: cl.CommandQueue, tokens: int = 1) -> None:
         if tokens == 1:
@@ -134,7 +135,7 @@ class Product:
         if self.dequantize is not None:
             self.dequantize.enqueue(queue)
         self.gemm.set_arg(GEMM_TOKENS_ARG, np.int32(tokens))
-        cl.enqueue_nd_range_kernel(queue, self.gemm, (-(-self.n // 4), -(-tokens // 4)), None)
+        cl.enqueue_nd_range_kernel(queue, self.gemm, self.shape.gemm_size(self.n, tokens), self.shape.gemm_local)
 
 
 class OpenCLBackend(PooledBackend):
@@ -228,6 +229,7 @@ class OpenCLBackend(PooledBackend):
         self._programs: dict[tuple[str, tuple[str, ...]], cl.Program] = {}
         self._binaries = _binaries_folder()
         tensors = self._stack.enter_context(open_tensors(info))
+        self._rows = options.batch_size  # tokens a chunk holds
         self._shapes = self._tune(info, tensors)
         embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
         self._embedding, self._embedding_type = tensors.raw(embedding), tensors[embedding].type
@@ -237,7 +239,6 @@ class OpenCLBackend(PooledBackend):
         cache_bytes = options.kv_tokens * hp.kv_dim * itemsize
         self._cache = [(self._scratch(cache_bytes), self._scratch(cache_bytes)) for _ in range(hp.n_layer)]
         f, rows = 4, options.batch_size  # bytes of a float32; tokens a chunk holds
-        self._rows = rows
         self._x, self._h, self._out = (self._scratch(rows * hp.n_embd * f) for _ in range(3))
         self._qkv_dim = hp.q_dim + 2 * hp.kv_dim
         self._qkv = self._scratch(rows * self._qkv_dim * f)
@@ -461,7 +462,11 @@ class OpenCLBackend(PooledBackend):
         path = tuning_path(self._cl_device, (KERNELS / "products.cl").read_text())
         shapes, products = recorded_shapes(path), self._products_of(info)
         tried = {key: shapes_of(tensors[names[0]].type) for key, names in products.items()}
-        missing = {key: names for key, names in products.items() if shapes.get(key) not in tried[key]}
+        missing = {
+            key: names
+            for key, names in products.items()
+            if key not in shapes or replace(shapes[key], gemm_local=None) not in tried[key]
+        }
         if missing:
             timer = Timer(self._context)
             for done, (key, names) in enumerate(missing.items()):
@@ -490,8 +495,25 @@ class OpenCLBackend(PooledBackend):
                     return self._matvec(matrix, x, y, None, 0, shape).kernel, matrix.n
 
                 shapes[key], _ = timer.tune(launch, tried[key])
+                shapes[key] = self._tune_gemm(timer, layouts[shapes[key].layout], shapes[key], info)
             record_shapes(path, shapes)  # with other models' sizes: the record is the device's
         return {key: shapes[key] for key in products}
+
+    def _tune_gemm(self, timer: Timer, matrix: _Matrix, shape: Shape, info: ModelInfo) -> Shape:
+        """``shape`` with the groups the prompt's tiled product runs fastest in, for ``matrix``'s size and a chunk
+        of ``batch_size`` tokens (the head, multiplied a row at a time, takes any)."""
+        if matrix.n * matrix.k > _largest_matrix(info):  # the head alone is larger than any matrix a chunk multiplies
+            return shape
+        tokens = self._rows
+        weights = self._scratch(4 * matrix.n * matrix.k)
+        x, y = self._scratch(4 * tokens * matrix.k), self._scratch(4 * tokens * matrix.n)
+        for buffer, size in ((weights, matrix.n * matrix.k), (x, tokens * matrix.k)):
+            cl.enqueue_fill_buffer(self._queue, buffer, np.float32(1), 0, 4 * size)
+        gemm = cl.Kernel(self._program("products.cl", shape), "gemm")
+        gemm.set_args(weights, x, y, None, np.int32(matrix.k), np.int32(matrix.n), np.int32(tokens),
+                      np.int32(matrix.k), np.int32(matrix.n), np.int32(0))  # fmt: skip
+        self._queue.finish()
+        return timer.fastest_gemm(gemm, shape, matrix.n, tokens)
 
     def _products_of(self, info: ModelInfo) -> dict[str, list[str]]:
         """Each size of product a decode step runs (by ``shape_key``), with the matrices of one: Q, K and V
@@ -542,7 +564,7 @@ class OpenCLBackend(PooledBackend):
         being decoded in ``shape``; with ``gate``, the gated pairs of rows (``_matvec``)."""
         one = self._matvec(matrix, x[0], y[0], bias, at, shape, gate)
         if not gemm:  # the head: a chunk's logits are wanted a row at a time
-            return Product(one, None, one.kernel, matrix.n, one.args)
+            return Product(one, None, one.kernel, matrix.n, one.args, shape)
         dequantize, weights = None, matrix.buffers[0]
         if matrix.type != QType.F32:
             items = matrix.n * matrix.k // DEQUANTIZED_PER_ITEM.get(matrix.type, 32)
@@ -557,7 +579,7 @@ class OpenCLBackend(PooledBackend):
                 np.int32(y[1]), np.int32(at))  # fmt: skip
         gemm_kernel = cl.Kernel(self._program("products.cl", shape, gate), "gemm")
         gemm_kernel.set_args(*args)
-        return Product(one, dequantize, gemm_kernel, matrix.n, args)
+        return Product(one, dequantize, gemm_kernel, matrix.n, args, shape)
 
     def _upload_matrix(
         self, tensors: GGUFTensors, names: list[str], shape: Shape, *, interleave: bool = False

@@ -9,7 +9,8 @@ vectors want. Which is fastest depends on the device and on the matrix: a CPU dr
 long work-items in as many groups as it has cores, a GPU many, in groups its schedulers fill, and a small
 matrix gives either less to share out. So the first load of a model times the shapes on each of its
 products' types and sizes (the layout first, then rows and group sizes in it: ``Timer.tune``), and keeps
-the fastest for each, in the cache folder under a digest of the device, its driver and the kernels' source:
+the fastest for each, with the group size of the prompt's tiled product (``gemm``) timed in that layout, in the
+cache folder under a digest of the device, its driver and the kernels' source:
 a new driver or a changed kernel measures again. A decode step streams every weight from memory once, so each
 timed run starts with the device's caches emptied (a read of a buffer larger than them).
 """
@@ -21,7 +22,7 @@ import hashlib
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,11 @@ LOCAL_CHOICES = (None, 32, 64)  # None: the driver's choice
 LANES = 16  # rows a work-item of the lanes layout, one a lane of its float16 sums
 # A lanes work-item does 16 rows' work, so its groups are smaller: SmolLM2's 576 rows are 36 work-items.
 LANES_LOCAL_CHOICES = (None, 1, 4)
+# The prompt's tiled product (gemm: a work-item computes 4 rows by 4 tokens) in groups of (row tiles, token tiles);
+# None: the driver's choice. On PoCL a 64-token chunk of SmolLM2's products took 0.55x to 0.85x the driver's time
+# in (8, 8) or (4, 16) groups, and up to 2x in (64, 1) ones (a /tmp script, 2026-12-05).
+GEMM_LOCALS: tuple[tuple[int, int] | None, ...] = (None, (8, 8), (16, 4), (4, 16), (32, 2))
+GEMM_TILE = 4  # rows, and tokens, a gemm work-item computes
 RUNS = 3  # timed runs of each shape, after one to warm up; the median counts
 FLUSH_BYTES = 64 << 20  # read before each timed run: more than the last-level cache of the devices we run
 FLUSH = """
@@ -50,12 +56,14 @@ __kernel void flush(__global const float4 *src, __global float *dst) {
 class Shape:
     """Rows a work-item, work-items a group (None: the driver chooses), whether the blocks' half scales
     are uploaded as float32, and whether the rows lie across lanes (``products.cl``'s lanes layout, whose
-    scales are always float32)."""
+    scales are always float32): the decode product's shape. And the groups of the prompt's tiled product
+    (``GEMM_LOCALS``), timed in the decode product's layout."""
 
     rows: int = 4
     local: int | None = None
     float_scales: bool = False
     lanes: bool = False
+    gemm_local: tuple[int, int] | None = None
 
     @property
     def layout(self) -> tuple[bool, bool]:
@@ -75,6 +83,15 @@ class Shape:
     def local_size(self) -> tuple[int, int] | None:
         """The group size over (rows, tokens): a chunk's tokens are its second dimension."""
         return None if self.local is None else (self.local, 1)
+
+    def gemm_size(self, n: int, tokens: int) -> tuple[int, int]:
+        """The gemm's work-items for ``n`` rows and ``tokens`` tokens, rounded up to whole groups: it skips the
+        tiles past either end."""
+        tiles = (-(-n // GEMM_TILE), -(-tokens // GEMM_TILE))
+        if self.gemm_local is None:
+            return tiles
+        return (-(-tiles[0] // self.gemm_local[0]) * self.gemm_local[0],
+                -(-tiles[1] // self.gemm_local[1]) * self.gemm_local[1])  # fmt: skip
 
 
 FLAT_SHAPES = tuple(
@@ -169,6 +186,18 @@ class Timer:
         best = min(timings, key=timings.__getitem__)
         return best, timings[best]
 
+    def fastest_gemm(self, gemm: cl.Kernel, shape: Shape, n: int, tokens: int) -> Shape:
+        """``shape`` with the fastest of ``GEMM_LOCALS`` for ``gemm`` (its arguments set) over ``n`` rows and
+        ``tokens`` tokens; a group size the device refuses is skipped."""
+        timings = {}
+        for local in GEMM_LOCALS:
+            tried = replace(shape, gemm_local=local)
+            try:
+                timings[tried] = self.median_seconds(gemm, tried.gemm_size(n, tokens), local)
+            except cl.Error:
+                continue
+        return min(timings, key=timings.__getitem__, default=shape)
+
     def _seconds(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -> float:
         kernel, n = launch(shape)
         return self.median_seconds(kernel, (shape.global_size(n), 1), shape.local_size())
@@ -190,6 +219,7 @@ def _shape(fields: dict) -> Shape:
     if not isinstance(fields["float_scales"], bool) or not isinstance(fields["lanes"], bool):
         raise ValueError(f"float_scales or lanes is not true or false: {fields!r}")
     shape = Shape(int(fields["rows"]), local, fields["float_scales"], fields["lanes"])
-    if shape not in SHAPES:
-        raise ValueError(f"no such shape: {shape}")
-    return shape
+    gemm_local = None if fields["gemm_local"] is None else tuple(int(size) for size in fields["gemm_local"])
+    if shape not in SHAPES or gemm_local not in GEMM_LOCALS:
+        raise ValueError(f"no such shape: {fields!r}")
+    return replace(shape, gemm_local=gemm_local)
