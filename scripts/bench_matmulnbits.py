@@ -7,6 +7,9 @@ Issue 17 asks three questions of the CPU kernels, answered here side by side in 
 - ``accuracy_level`` 4 (int8 activations) against 0 (float activations);
 - weights as graph initializers against weights fed as inputs at run time.
 
+And one of our own: whether Q8_0 can be computed exactly at speed. Its 8-bit codes run fast only with int8
+activations; as two 4-bit planes (high nibbles times 16d, low ones times d, A fed twice) they take float ones.
+
 Each case is one MatMulNBits node computing ``A @ W.T`` for a weight matrix quantized by ggml
 and repacked by ``edgeinfer.backends.onnx.weights``, timed over --calls runs after a warm-up, for one
 row of A (a decode step) and for --prefill rows. The error is the largest deviation from the float64
@@ -28,13 +31,13 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeinfer.backends.onnx.weights import NBits, ZeroPoints, matmul, nbits
+from edgeinfer.backends.onnx.weights import NBits, ZeroPoints, matmul, nbits, pack4, pack_nibbles
 from edgeinfer.converters.quantize import quantize
 
 # (name, N, K): a small model's FFN up and down projections (512 wide, so that Q4_K's 256-element
 # super-blocks fit its rows), and a 7B-class square matrix.
 SHAPES = [("512->1536", 1536, 512), ("1536->512", 512, 1536), ("4096->4096", 4096, 4096)]
-# (label, GGUF type, how Q4_1's zero point goes in, accuracy_level, weights as inputs)
+# (label, GGUF type, how Q4_1's zero point goes in, accuracy_level, weights as inputs, 8-bit codes as 4-bit planes)
 CASES = [
     ("Q4_0", QType.Q4_0, ZeroPoints.FLOAT, 0, False),
     ("Q4_0 acc4", QType.Q4_0, ZeroPoints.FLOAT, 4, False),
@@ -55,7 +58,27 @@ CASES = [
     ("Q5_K acc4", QType.Q5_K, ZeroPoints.FLOAT, 4, False),
     ("Q6_K acc4", QType.Q6_K, ZeroPoints.FLOAT, 4, False),
     ("IQ4_NL acc4", QType.IQ4_NL, ZeroPoints.FLOAT, 4, False),
+    ("Q8_0 as 4-bit planes", QType.Q8_0, ZeroPoints.FLOAT, 0, False, True),
+    ("Q8_0 as 4-bit planes acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, True),
 ]
+
+
+def planes(weight: NBits) -> NBits:
+    """8-bit codes u (value (u - 128) * d) as 4-bit codes over A fed twice: the first k of the 2k inputs take the
+    high nibbles, zero point 8, scale 16d; the next k the low nibbles, zero point 0, scale d. Their sum is
+    (16h + l - 128) d = (u - 128) d, exactly."""
+    n, blocks = weight.n, weight.k // weight.block_size
+    codes = weight.codes.reshape(n, blocks, weight.block_size)
+    d = weight.scales.reshape(n, blocks)
+    zero = np.concatenate([np.full((n, blocks), 8, np.uint8), np.zeros((n, blocks), np.uint8)], axis=1)
+    return NBits(
+        n,
+        2 * weight.k,
+        4,
+        pack_nibbles(np.concatenate([codes >> 4, codes & 0xF], axis=1)),
+        np.concatenate([16 * d, d], axis=1).reshape(-1).astype(np.float32),
+        pack4(zero),
+    )
 
 
 @dataclass(frozen=True)
@@ -67,10 +90,15 @@ class Row:
     relative_error: float
 
 
-def session(weight: NBits, accuracy_level: int, as_inputs: bool, threads: int) -> tuple[ort.InferenceSession, dict]:
-    """The product's graph; the feeds that go with every run (the weights, when they are inputs)."""
-    nodes, initializers = matmul(weight, "A", "Y", "w", accuracy_level)
-    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, weight.k])]
+def session(
+    weight: NBits, accuracy_level: int, as_inputs: bool, threads: int, doubled: bool = False
+) -> tuple[ort.InferenceSession, dict]:
+    """The product's graph; the feeds that go with every run (the weights, when they are inputs). ``doubled``: the
+    weight reads A twice over (``planes``)."""
+    nodes, initializers = matmul(weight, "A2" if doubled else "A", "Y", "w", accuracy_level)
+    if doubled:
+        nodes.insert(0, helper.make_node("Concat", ["A", "A"], ["A2"], axis=-1))
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, weight.k // 2 if doubled else weight.k])]
     feeds = {}
     if as_inputs:
         feeds = {t.name: numpy_helper.to_array(t) for t in initializers}
@@ -99,10 +127,13 @@ def measure(threads: int, calls: int, prefill: int) -> list[Row]:
     rows = []
     for shape, n, k in SHAPES:
         w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-        for label, qtype, zero_points, accuracy, as_inputs in CASES:
+        for label, qtype, zero_points, accuracy, as_inputs, *as_planes in CASES:
             raw = quantize(w, qtype)
             truth = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
-            sess, feeds = session(nbits(raw, qtype, k, zero_points), accuracy, as_inputs, threads)
+            weight = nbits(raw, qtype, k, zero_points)
+            if as_planes:
+                weight = planes(weight)
+            sess, feeds = session(weight, accuracy, as_inputs, threads, doubled=bool(as_planes))
             for m in (1, prefill):
                 a = rng.standard_normal((m, k)).astype(np.float32)
                 feed = {"A": a, **feeds}

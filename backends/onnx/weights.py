@@ -261,15 +261,15 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> NBits:
     qs = supers[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)
     elements = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, k // BLOCK, BLOCK)
     centred = offsets.astype(np.float64) + 8 * scales.astype(np.float64)  # (q - 8) * scale + (offset + 8 scale)
-    return NBits(n, k, 4, _pack(elements), scales.reshape(-1), None, centred.astype(np.float32).reshape(n, -1))
+    return NBits(n, k, 4, pack_nibbles(elements), scales.reshape(-1), None, centred.astype(np.float32).reshape(n, -1))
 
 
 def _repack(qs: np.ndarray) -> np.ndarray:
     """GGUF's 4-bit order (byte j: elements j and j + 16) to MatMulNBits' (byte i: elements 2i and 2i + 1)."""
-    return _pack(np.concatenate([qs & 0xF, qs >> 4], axis=-1))
+    return pack_nibbles(np.concatenate([qs & 0xF, qs >> 4], axis=-1))
 
 
-def _pack(elements: np.ndarray) -> np.ndarray:
+def pack_nibbles(elements: np.ndarray) -> np.ndarray:
     """4-bit codes, one a byte, packed two a byte as MatMulNBits reads them."""
     return np.ascontiguousarray(elements[..., 0::2] | (elements[..., 1::2] << 4))
 
