@@ -17,13 +17,13 @@ timed run starts with the device's caches emptied (a read of a buffer larger tha
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyopencl as cl
@@ -42,7 +42,7 @@ LANES_LOCAL_CHOICES = (None, 1, 4)
 # in (8, 8) or (4, 16) groups, and up to 2x in (64, 1) ones (a /tmp script, 2026-12-05).
 GEMM_LOCALS: tuple[tuple[int, int] | None, ...] = (None, (8, 8), (16, 4), (4, 16), (32, 2))
 GEMM_TILE = 4  # rows, and tokens, a gemm work-item computes
-RUNS = 3  # timed runs of each shape, after one to warm up; the median counts
+ROUNDS = 5  # timed runs of each shape, in turns with the others, after one to warm up; the median counts
 FLUSH_BYTES = 64 << 20  # read before each timed run: more than the last-level cache of the devices we run
 FLUSH = """
 __kernel void flush(__global const float4 *src, __global float *dst) {
@@ -146,6 +146,10 @@ def shape_key(type_name: str, n: int, k: int) -> str:
     return f"{type_name} {n}x{k}"
 
 
+Key = TypeVar("Key", bound=Hashable)
+Run = tuple[cl.Kernel, tuple[int, ...], "tuple[int, ...] | None"]  # a kernel with its arguments set, its sizes
+
+
 class Timer:
     """Times kernels on a device from a cold cache, by its own timestamps."""
 
@@ -163,10 +167,8 @@ class Timer:
         rows it covers), and its median seconds: the layout chosen first, each timed in its ``first_shape``, then
         rows and groups in that layout, which times a fraction of the shapes that trying every one would (a
         first load on PoCL: 21 s for the flat shapes alone)."""
-        timings = {}
-        for layout in dict.fromkeys(shape.layout for shape in shapes):
-            with contextlib.suppress(cl.Error):  # refused: fastest() skips it
-                timings[layout] = self._seconds(launch, first_shape(layout))
+        firsts = {shape.layout: first_shape(shape.layout) for shape in shapes}
+        timings = self.in_turns({layout: run for layout, first in firsts.items() if (run := _run(launch, first))})
         layout = min(timings, key=timings.__getitem__, default=shapes[0].layout)
         return self.fastest(launch, tuple(shape for shape in shapes if shape.layout == layout))
 
@@ -175,12 +177,7 @@ class Timer:
     ) -> tuple[Shape, float]:
         """Of ``shapes``, the one whose launch runs fastest, and its median seconds. A shape the device refuses (a
         group larger than it allows) is skipped."""
-        timings = {}
-        for shape in shapes:
-            try:
-                timings[shape] = self._seconds(launch, shape)
-            except cl.Error:
-                continue
+        timings = self.in_turns({shape: run for shape in shapes if (run := _run(launch, shape))})
         if not timings:
             raise BackendError("the OpenCL device refused every shape of the matrix products; try another device")
         best = min(timings, key=timings.__getitem__)
@@ -189,29 +186,46 @@ class Timer:
     def fastest_gemm(self, gemm: cl.Kernel, shape: Shape, n: int, tokens: int) -> Shape:
         """``shape`` with the fastest of ``GEMM_LOCALS`` for ``gemm`` (its arguments set) over ``n`` rows and
         ``tokens`` tokens; a group size the device refuses is skipped."""
-        timings = {}
-        for local in GEMM_LOCALS:
-            tried = replace(shape, gemm_local=local)
-            try:
-                timings[tried] = self.median_seconds(gemm, tried.gemm_size(n, tokens), local)
-            except cl.Error:
-                continue
+        tried = [replace(shape, gemm_local=local) for local in GEMM_LOCALS]
+        timings = self.in_turns({s: (gemm, s.gemm_size(n, tokens), s.gemm_local) for s in tried})
         return min(timings, key=timings.__getitem__, default=shape)
 
-    def _seconds(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -> float:
-        kernel, n = launch(shape)
-        return self.median_seconds(kernel, (shape.global_size(n), 1), shape.local_size())
-
     def median_seconds(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...] | None = None) -> float:
-        """Median seconds of ``RUNS`` runs of ``kernel``, each after the caches are emptied, after a warm-up."""
-        cl.enqueue_nd_range_kernel(self.queue, kernel, size, local).wait()
-        times = []
-        for _ in range(RUNS):
-            cl.enqueue_nd_range_kernel(self.queue, self._flush, (FLUSH_BYTES // 16,), None)
-            event = cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
-            event.wait()
-            times.append((event.profile.end - event.profile.start) * 1e-9)
-        return statistics.median(times)
+        """Median seconds of ``ROUNDS`` runs of ``kernel``, each after the caches are emptied, after a warm-up."""
+        timings = self.in_turns({kernel: (kernel, size, local)})
+        if not timings:
+            raise BackendError(f"the OpenCL device refused {kernel.function_name} in groups of {local}")
+        return timings[kernel]
+
+    def in_turns(self, runs: dict[Key, Run]) -> dict[Key, float]:
+        """Median seconds of each run, timed in turns: ``ROUNDS`` rounds of each once, after the caches are emptied
+        (after a warm-up of each). A shared machine's speed drifts from one second to the next, so runs timed back
+        to back compare moments as much as kernels: here one tuning chose a layout 2.1x slower for SmolLM2's gate
+        and up on PoCL. A run the device refuses (a group larger than it allows) is left out."""
+        times: dict[Key, list[float]] = {}
+        for key, (kernel, size, local) in runs.items():
+            try:
+                cl.enqueue_nd_range_kernel(self.queue, kernel, size, local).wait()
+            except cl.Error:
+                continue
+            times[key] = []
+        for _ in range(ROUNDS):
+            for key, taken in times.items():
+                kernel, size, local = runs[key]
+                cl.enqueue_nd_range_kernel(self.queue, self._flush, (FLUSH_BYTES // 16,), None)
+                event = cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+                event.wait()
+                taken.append((event.profile.end - event.profile.start) * 1e-9)
+        return {key: statistics.median(taken) for key, taken in times.items()}
+
+
+def _run(launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -> Run | None:
+    """``launch(shape)`` as a run to time; None where the device refuses its kernel."""
+    try:
+        kernel, n = launch(shape)
+    except cl.Error:
+        return None
+    return kernel, (shape.global_size(n), 1), shape.local_size()
 
 
 def _shape(fields: dict) -> Shape:
