@@ -217,16 +217,25 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
     devices = backend.devices()
     names = [d.name for d in devices]
     wanted = options.device
-    if wanted.isascii() and wanted.isdigit() and wanted not in names and int(wanted) < len(devices) - 1:
-        options = dataclasses.replace(options, device=names[int(wanted) + 1])
-    elif wanted not in names and wanted.strip():  # a part of a device's name or description, in any case: the first
+    if wanted.strip().lower() == CPU:
+        options = dataclasses.replace(options, device=CPU)
+    elif wanted.isascii() and wanted.isdigit():  # an index, never a part of a name
+        if wanted not in names and int(wanted) < len(devices) - 1:
+            options = dataclasses.replace(options, device=names[int(wanted) + 1])
+    elif wanted not in names and wanted.strip():  # a part of one device's name, else of one device's description
         part = wanted.strip().lower()
-        found = next((d.name for d in devices[1:] if part in d.name.lower() or part in d.description.lower()), None)
-        options = dataclasses.replace(options, device=found or wanted)
+        found = [d.name for d in devices[1:] if part in d.name.lower()] or [
+            d.name for d in devices[1:] if part in d.description.lower()
+        ]
+        if len(found) > 1:
+            raise InvalidOptionError(
+                f"{wanted!r} matches several devices of the {backend.name} backend ({', '.join(found)}); name one"
+            )
+        options = dataclasses.replace(options, device=found[0] if found else wanted)
     if options.device not in names:
         raise InvalidOptionError(
             f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}, "
-            "or a part of its name (`edgeinfer info` lists every backend's devices)"
+            "or a part of its name or description (`edgeinfer info` lists every backend's devices)"
         )
     gpu = options.device if options.device != CPU else None
     if gpu is None and devices[0].has_own_memory:  # the default device is a GPU

@@ -39,25 +39,25 @@ from edgeinfer.converters.quantize import quantize
 SHAPES = [("512->1536", 1536, 512), ("1536->512", 512, 1536), ("4096->4096", 4096, 4096)]
 # (label, GGUF type, how Q4_1's zero point goes in, accuracy_level, weights as inputs, 8-bit codes as 4-bit planes)
 CASES = [
-    ("Q4_0", QType.Q4_0, ZeroPoints.FLOAT, 0, False),
-    ("Q4_0 acc4", QType.Q4_0, ZeroPoints.FLOAT, 4, False),
-    ("Q4_0 inputs", QType.Q4_0, ZeroPoints.FLOAT, 0, True),
-    ("Q4_0 acc4 inputs", QType.Q4_0, ZeroPoints.FLOAT, 4, True),
-    ("Q8_0", QType.Q8_0, ZeroPoints.FLOAT, 0, False),
-    ("Q8_0 acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False),
-    ("Q4_1 float zp", QType.Q4_1, ZeroPoints.FLOAT, 0, False),
-    ("Q4_1 float zp acc4", QType.Q4_1, ZeroPoints.FLOAT, 4, False),
-    ("Q4_1 uint4 zp", QType.Q4_1, ZeroPoints.UINT4, 0, False),
-    ("Q4_1 uint4 zp acc4", QType.Q4_1, ZeroPoints.UINT4, 4, False),
-    ("Q4_1 split", QType.Q4_1, ZeroPoints.SPLIT, 0, False),
-    ("Q4_1 split acc4", QType.Q4_1, ZeroPoints.SPLIT, 4, False),
-    ("Q4_K split", QType.Q4_K, ZeroPoints.SPLIT, 0, False),
-    ("Q4_K split acc4", QType.Q4_K, ZeroPoints.SPLIT, 4, False),
+    ("Q4_0", QType.Q4_0, ZeroPoints.FLOAT, 0, False, False),
+    ("Q4_0 acc4", QType.Q4_0, ZeroPoints.FLOAT, 4, False, False),
+    ("Q4_0 inputs", QType.Q4_0, ZeroPoints.FLOAT, 0, True, False),
+    ("Q4_0 acc4 inputs", QType.Q4_0, ZeroPoints.FLOAT, 4, True, False),
+    ("Q8_0", QType.Q8_0, ZeroPoints.FLOAT, 0, False, False),
+    ("Q8_0 acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, False),
+    ("Q4_1 float zp", QType.Q4_1, ZeroPoints.FLOAT, 0, False, False),
+    ("Q4_1 float zp acc4", QType.Q4_1, ZeroPoints.FLOAT, 4, False, False),
+    ("Q4_1 uint4 zp", QType.Q4_1, ZeroPoints.UINT4, 0, False, False),
+    ("Q4_1 uint4 zp acc4", QType.Q4_1, ZeroPoints.UINT4, 4, False, False),
+    ("Q4_1 split", QType.Q4_1, ZeroPoints.SPLIT, 0, False, False),
+    ("Q4_1 split acc4", QType.Q4_1, ZeroPoints.SPLIT, 4, False, False),
+    ("Q4_K split", QType.Q4_K, ZeroPoints.SPLIT, 0, False, False),
+    ("Q4_K split acc4", QType.Q4_K, ZeroPoints.SPLIT, 4, False, False),
     # Codes of 5 to 8 bits go in as 8-bit codes, fast only with int8 activations.
-    ("Q5_0 acc4", QType.Q5_0, ZeroPoints.FLOAT, 4, False),
-    ("Q5_K acc4", QType.Q5_K, ZeroPoints.FLOAT, 4, False),
-    ("Q6_K acc4", QType.Q6_K, ZeroPoints.FLOAT, 4, False),
-    ("IQ4_NL acc4", QType.IQ4_NL, ZeroPoints.FLOAT, 4, False),
+    ("Q5_0 acc4", QType.Q5_0, ZeroPoints.FLOAT, 4, False, False),
+    ("Q5_K acc4", QType.Q5_K, ZeroPoints.FLOAT, 4, False, False),
+    ("Q6_K acc4", QType.Q6_K, ZeroPoints.FLOAT, 4, False, False),
+    ("IQ4_NL acc4", QType.IQ4_NL, ZeroPoints.FLOAT, 4, False, False),
     ("Q8_0 as 4-bit planes", QType.Q8_0, ZeroPoints.FLOAT, 0, False, True),
     ("Q8_0 as 4-bit planes acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, True),
 ]
@@ -127,13 +127,13 @@ def measure(threads: int, calls: int, prefill: int) -> list[Row]:
     rows = []
     for shape, n, k in SHAPES:
         w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-        for label, qtype, zero_points, accuracy, as_inputs, *as_planes in CASES:
+        for label, qtype, zero_points, accuracy, as_inputs, as_planes in CASES:
             raw = quantize(w, qtype)
             truth = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
             weight = nbits(raw, qtype, k, zero_points)
             if as_planes:
                 weight = planes(weight)
-            sess, feeds = session(weight, accuracy, as_inputs, threads, doubled=bool(as_planes))
+            sess, feeds = session(weight, accuracy, as_inputs, threads, doubled=as_planes)
             for m in (1, prefill):
                 a = rng.standard_normal((m, k)).astype(np.float32)
                 feed = {"A": a, **feeds}

@@ -152,8 +152,9 @@ def write_safetensors(
 
 
 def gguf_tokenizer(path: Path) -> tuple[dict[str, Any], Tokenizer]:
-    """The GGUF's tokenizer metadata, and its vocabulary as an HF byte-level BPE tokenizer (edgeinfer's own,
-    which tokenizes as llama.cpp does), with the decoder and BOS rule transformers wants in tokenizer.json."""
+    """The GGUF's tokenizer metadata (its single values), and its vocabulary as an HF byte-level BPE tokenizer
+    (edgeinfer's own, which tokenizes as llama.cpp does), with the decoder and BOS rule transformers wants in
+    tokenizer.json."""
     vocabulary = GGUFVocabulary(path)
     if vocabulary.model != "gpt2":
         raise ConversionError(
@@ -222,7 +223,7 @@ def tokenizer_config(meta: Mapping[str, Any], tokenizer: Tokenizer, hp: HParams)
     }
     for role, key in SPECIAL_TOKEN_IDS.items():
         if key in meta:
-            config[f"{role}_token"] = meta[Keys.Tokenizer.LIST][meta[key]]
+            config[f"{role}_token"] = tokenizer.id_to_token(meta[key])
     config["add_bos_token"] = bool(meta.get(Keys.Tokenizer.ADD_BOS, False))
     if Keys.Tokenizer.CHAT_TEMPLATE in meta:
         config["chat_template"] = meta[Keys.Tokenizer.CHAT_TEMPLATE]

@@ -20,7 +20,7 @@ from conformance_models import kld, top1
 from gguf import GGUFReader
 from tiny_model import write_tiny_gguf
 
-from edgeinfer import BackendError, BackendUnavailableError, Engine
+from edgeinfer import BackendError, BackendUnavailableError, Engine, InvalidOptionError
 from edgeinfer.backends import backend_status
 from edgeinfer.backends.base import BackendOptions, Span, check_options
 from edgeinfer.backends.onnx import graph
@@ -384,11 +384,27 @@ def test_info_lists_every_execution_provider_and_a_device_is_named_by_a_part_of_
     for provider in ort.get_available_providers()[:-1]:  # the CPU's comes last, and is "cpu" here
         part = provider.removesuffix("ExecutionProvider").lower()
         assert check_options(OnnxRuntimeBackend, options(device=part)).device == provider
+    assert check_options(OnnxRuntimeBackend, options(device="CPU")).device == "cpu"  # not "falling back to the CPU"
+    for refused in (str(len(ort.get_available_providers())), "no such provider"):  # an index past the last
+        with pytest.raises(InvalidOptionError, match="has no device"):
+            check_options(OnnxRuntimeBackend, options(device=refused))
+
+
+def test_a_part_of_several_devices_names_is_refused_naming_them(monkeypatch):
+    import onnxruntime as ort
+
+    listed = ["CUDAExecutionProvider", "TensorrtExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: listed)
+    assert check_options(OnnxRuntimeBackend, options(device="tensorrt")).device == "TensorrtExecutionProvider"
+    with pytest.raises(InvalidOptionError) as exc:
+        check_options(OnnxRuntimeBackend, options(device="executionprovider"))
+    assert "CUDAExecutionProvider, TensorrtExecutionProvider" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_a_provider_that_cannot_start_here_falls_back_to_the_cpu_in_one_line(tmp_path, monkeypatch, caplog, capsys):
     # onnxruntime-gpu on a machine whose GPU or CUDA is missing lists CUDA and cannot start it: ONNX Runtime then
-    # runs on the CPU. Listed here as such a build lists it, it is started for real and refused for real.
+    # runs on the CPU. Listed here as such a build lists it; ONNX Runtime itself knows it is not there, leaves it out
+    # with a warning of its own, and runs on the CPU.
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" in ort.get_available_providers():

@@ -327,9 +327,12 @@ class OnnxRuntimeBackend:
         said = io.StringIO()
         try:
             # ONNX Runtime reports a provider it cannot start in lines of its own (a warning; four printed lines as
-            # it retries on the CPU): the one line below says it instead.
-            with warnings.catch_warnings(), contextlib.redirect_stdout(said):
-                warnings.simplefilter("ignore")
+            # it retries on the CPU): the one line below says it instead. The CPU's own session says nothing.
+            with contextlib.ExitStack() as quiet:
+                if options.device != CPU:
+                    quiet.enter_context(warnings.catch_warnings())
+                    warnings.filterwarnings("ignore", message="Specified provider")
+                    quiet.enter_context(contextlib.redirect_stdout(said))
                 session = ort.InferenceSession(str(graph), settings, providers=wanted)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own classes, all of them Exception
             if options.device == CPU:

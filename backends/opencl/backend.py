@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import math
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -579,6 +580,10 @@ class OpenCLBackend(PooledBackend):
                 np.int32(y[1]), np.int32(at))  # fmt: skip
         gemm_kernel = cl.Kernel(self._program("products.cl", shape, gate), "gemm")
         gemm_kernel.set_args(*args)
+        # The groups were timed on the plain build; a gated one may take fewer work-items a group on a GPU.
+        largest = gemm_kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self._cl_device)
+        if shape.gemm_local is not None and math.prod(shape.gemm_local) > largest:
+            shape = replace(shape, gemm_local=None)
         return Product(one, dequantize, gemm_kernel, matrix.n, args, shape)
 
     def _upload_matrix(
@@ -751,6 +756,8 @@ def _binaries_folder() -> str | bool:
     folder = cache_dir() / "opencl" / "binaries"
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # a folder there already may still be read-only
+            pass
     except OSError:
         return False
     return str(folder)

@@ -1,7 +1,7 @@
 """The OpenCL devices this machine has, as ``edgeinfer info`` lists them and the backend picks one.
 
 A device is named by its platform and device indices, ``P:D`` (``0:1``: the second device of the
-first platform), or by a part of its name, its platform's or its OpenCL C version (``pocl``, ``NVIDIA``).
+first platform), or by a part of its description (its name, platform, OpenCL version...: ``pocl``, ``mali``).
 The default is ``EDGEINFER_OPENCL_DEVICE`` if set, else the first GPU, else the first device.
 """
 
@@ -81,18 +81,24 @@ def opencl_devices() -> list[tuple[OpenCLDevice, cl.Device]]:
 
 
 def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
-    """The device ``wanted`` names (``P:D``, or a part of its name, platform or OpenCL C version; None:
-    ``EDGEINFER_OPENCL_DEVICE``, else the first GPU, else the first device). One line naming the devices there are
-    if none matches."""
+    """The device ``wanted`` names (``P:D``, or a part of one device's description: its name, platform, OpenCL
+    version...; None: ``EDGEINFER_OPENCL_DEVICE``, else the first GPU, else the first device). One line naming the
+    devices there are if none matches, or those that match if several do."""
     devices = opencl_devices()
     if not devices:
         raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
     wanted = wanted or os.environ.get(ENV) or None
     if wanted is None:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
-    for pair in devices:
-        info = pair[0]
-        if wanted == info.index or wanted.lower() in f"{info.name} {info.platform} {info.opencl_c}".lower():
-            return pair
-    names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
-    raise InvalidOptionError(f"no OpenCL device {wanted!r} here; choose one by index or a part of its name: {names}")
+    part = wanted.strip().lower()
+    found = [pair for pair in devices if wanted == pair[0].index] or [
+        pair for pair in devices if part and part in pair[0].describe().lower()
+    ]
+    names = "; ".join(f"{info.index} {info.name}" for info, _ in (found if len(found) > 1 else devices))
+    if len(found) > 1:
+        raise InvalidOptionError(f"{wanted!r} matches several OpenCL devices ({names}); name one by its index")
+    if not found:
+        raise InvalidOptionError(
+            f"no OpenCL device {wanted!r} here; choose one by index or a part of its description: {names}"
+        )
+    return found[0]

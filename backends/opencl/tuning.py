@@ -168,7 +168,7 @@ class Timer:
         rows and groups in that layout, which times a fraction of the shapes that trying every one would (a
         first load on PoCL: 21 s for the flat shapes alone)."""
         firsts = {shape.layout: first_shape(shape.layout) for shape in shapes}
-        timings = self.in_turns({layout: run for layout, first in firsts.items() if (run := _run(launch, first))})
+        timings = self.in_turns({layout: run for layout, first in firsts.items() if (run := _timed_run(launch, first))})
         layout = min(timings, key=timings.__getitem__, default=shapes[0].layout)
         return self.fastest(launch, tuple(shape for shape in shapes if shape.layout == layout))
 
@@ -177,7 +177,7 @@ class Timer:
     ) -> tuple[Shape, float]:
         """Of ``shapes``, the one whose launch runs fastest, and its median seconds. A shape the device refuses (a
         group larger than it allows) is skipped."""
-        timings = self.in_turns({shape: run for shape in shapes if (run := _run(launch, shape))})
+        timings = self.in_turns({shape: run for shape in shapes if (run := _timed_run(launch, shape))})
         if not timings:
             raise BackendError("the OpenCL device refused every shape of the matrix products; try another device")
         best = min(timings, key=timings.__getitem__)
@@ -219,7 +219,7 @@ class Timer:
         return {key: statistics.median(taken) for key, taken in times.items()}
 
 
-def _run(launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -> Run | None:
+def _timed_run(launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -> Run | None:
     """``launch(shape)`` as a run to time; None where the device refuses its kernel."""
     try:
         kernel, n = launch(shape)
