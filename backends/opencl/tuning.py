@@ -200,8 +200,9 @@ class Timer:
     def in_turns(self, runs: dict[Key, Run]) -> dict[Key, float]:
         """Median seconds of each run, timed in turns: ``ROUNDS`` rounds of each once, after the caches are emptied
         (after a warm-up of each). A shared machine's speed drifts from one second to the next, so runs timed back
-        to back compare moments as much as kernels: here one tuning chose a layout 2.1x slower for SmolLM2's gate
-        and up on PoCL. A run the device refuses (a group larger than it allows) is left out."""
+        to back compare moments as much as kernels: here one tuning chose the flat layout for SmolLM2's Q, K and V
+        and its gate and up on PoCL, and its 4-bit products took 1.18x as long a step as in the lanes layout that
+        three other tunings chose. A run the device refuses (a group larger than it allows) is left out."""
         times: dict[Key, list[float]] = {}
         for key, (kernel, size, local) in runs.items():
             try:
