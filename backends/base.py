@@ -222,16 +222,10 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
     elif wanted.isascii() and wanted.isdigit():  # an index, never a part of a name
         if wanted not in names and int(wanted) < len(devices) - 1:
             options = dataclasses.replace(options, device=names[int(wanted) + 1])
-    elif wanted not in names and wanted.strip():  # a part of one device's name, else of one device's description
-        part = wanted.strip().lower()
-        found = [d.name for d in devices[1:] if part in d.name.lower()] or [
-            d.name for d in devices[1:] if part in d.description.lower()
-        ]
-        if len(found) > 1:
-            raise InvalidOptionError(
-                f"{wanted!r} matches several devices of the {backend.name} backend ({', '.join(found)}); name one"
-            )
-        options = dataclasses.replace(options, device=found[0] if found else wanted)
+    elif wanted not in names:
+        described = [(d.name, d.name, d.description) for d in devices[1:]]
+        found = device_by_part(wanted, described, f"{backend.name} devices")
+        options = dataclasses.replace(options, device=found or wanted)
     if options.device not in names:
         raise InvalidOptionError(
             f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}, "
@@ -245,6 +239,21 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
     if options.gpu_layers == 0 and gpu is not None:
         raise InvalidOptionError(f"--gpu-layers 0 puts nothing on {gpu}; give a number of layers, or -1 for all")
     return options
+
+
+def device_by_part(wanted: str, devices: Sequence[tuple[str, str, str]], kind: str) -> str | None:
+    """The key of the one of ``devices`` (key, name, description) whose name holds ``wanted`` in any case, else
+    whose description does; None where none does (or ``wanted`` is blank), and a one-line refusal naming them where
+    several do."""
+    part = wanted.strip().lower()
+    if not part:
+        return None
+    found = [key for key, name, _ in devices if part in name.lower()] or [
+        key for key, _, description in devices if part in description.lower()
+    ]
+    if len(found) > 1:
+        raise InvalidOptionError(f"{wanted!r} matches several {kind} ({', '.join(found)}); name one")
+    return found[0] if found else None
 
 
 def compute_bytes(info: ModelInfo, options: BackendOptions) -> int:

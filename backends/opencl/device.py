@@ -14,6 +14,8 @@ import pyopencl as cl
 
 from edgeinfer.errors import BackendUnavailableError, InvalidOptionError
 
+from ..base import device_by_part
+
 ENV = "EDGEINFER_OPENCL_DEVICE"
 INSTALL_HINT = (
     "install an OpenCL driver: your GPU vendor's, or PoCL for the CPU (Debian and Ubuntu: apt install pocl-opencl-icd)"
@@ -82,23 +84,20 @@ def opencl_devices() -> list[tuple[OpenCLDevice, cl.Device]]:
 
 def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
     """The device ``wanted`` names (``P:D``, or a part of one device's description: its name, platform, OpenCL
-    version...; None: ``EDGEINFER_OPENCL_DEVICE``, else the first GPU, else the first device). One line naming the
-    devices there are if none matches, or those that match if several do."""
+    version..., its name first; None: ``EDGEINFER_OPENCL_DEVICE``, else the first GPU, else the first device). One
+    line naming the devices there are if none matches, or those that match if several do."""
     devices = opencl_devices()
     if not devices:
         raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
     wanted = wanted or os.environ.get(ENV) or None
     if wanted is None:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
-    part = wanted.strip().lower()
-    found = [pair for pair in devices if wanted == pair[0].index] or [
-        pair for pair in devices if part and part in pair[0].describe().lower()
-    ]
-    names = "; ".join(f"{info.index} {info.name}" for info, _ in (found if len(found) > 1 else devices))
-    if len(found) > 1:
-        raise InvalidOptionError(f"{wanted!r} matches several OpenCL devices ({names}); name one by its index")
-    if not found:
+    by_index = {info.index: (info, device) for info, device in devices}
+    described = [(info.index, info.name, info.describe()) for info, _ in devices]
+    index = wanted if wanted in by_index else device_by_part(wanted, described, "OpenCL devices")
+    if index is None:
+        names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
         raise InvalidOptionError(
             f"no OpenCL device {wanted!r} here; choose one by index or a part of its description: {names}"
         )
-    return found[0]
+    return by_index[index]
