@@ -499,6 +499,24 @@ def test_a_copied_prefix_continues_as_if_computed_and_truncating_the_copy_leaves
     assert_close(expected_copy, copy_again, SEQUENCE_KLD, "the copy continued after its truncation")
 
 
+def test_a_prefix_copied_into_the_sequence_evaluated_last_replaces_its_cells(cls, infos):
+    # A backend that keeps the last sequence's cells where its kernels read them must not take the copy's
+    # positions for the ones it holds; and decoding a token a step after a truncation equals one batch.
+    prefix, rest = TOKENS[:16], OTHER[:12]
+    with opened(cls, infos["llama"], n_seq=2) as backend:
+        logits(backend, Span(0, 0, prefix))
+        logits(backend, Span(1, 0, OTHER[40:70]))  # sequence 1 last: its 30 cells where the kernels read
+        backend.copy_prefix(0, 1, 16)
+        (copied,) = logits(backend, Span(1, 16, rest, all_logits=True))
+        backend.truncate(1, 20)
+        stepped = [logits(backend, Span(1, 20 + i, [token]))[0] for i, token in enumerate(rest[4:])]
+    with opened(cls, infos["llama"]) as cold:
+        logits(cold, Span(0, 0, prefix))
+        (expected,) = logits(cold, Span(0, 16, rest, all_logits=True))
+    assert_close(expected, copied, SEQUENCE_KLD, "continued from a prefix copied over the last sequence")
+    assert_close(expected[4:], np.stack(stepped), SEQUENCE_KLD, "a token a step after a truncation")
+
+
 def test_only_sequences_below_n_seq_exist(cls, infos):
     with opened(cls, infos["llama"], n_seq=2) as backend:
         n = backend.n_seq

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -380,6 +381,28 @@ def test_a_recorded_shape_the_type_cannot_take_is_measured_again(tmp_path, monke
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
         assert len(timed) == 1 and not backend._shapes["F16 128x128"].lanes
         assert backend.eval([Span(0, 0, [3])])[0].shape == (info.hparams.n_vocab,)
+
+
+def test_the_layout_is_chosen_by_its_best_groups(tmp_path, monkeypatch):
+    """The first round, which chooses the layout, times each layout in every group size (at its first rows): in
+    the driver's groups alone the lanes layout lost to the flat one on PoCL for a product it ran fastest in
+    groups of 4. The second round times the other rows in the chosen layout only."""
+    from edgeinfer.backends.opencl import tuning
+
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    rounds: list[list[Shape]] = []
+    real = tuning.Timer.in_turns
+    monkeypatch.setattr(tuning.Timer, "in_turns", lambda self, runs: rounds.append(list(runs)) or real(self, runs))
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", tensor_type="Q4_0"))
+    with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
+        chosen = backend._shapes["Q4_0 128x128"]
+    first, second = rounds[0], rounds[1]  # the first product's two rounds (then its prompt product's groups)
+    shapes = tuning.shapes_for(half_scales=True, lanes=True)
+    assert set(first) == {s for s in shapes if s.rows == tuning.first_shape(s.layout).rows}
+    assert {s.local for s in first if s.lanes} == set(tuning.LANES_LOCAL_CHOICES)
+    assert {s.local for s in first if not s.lanes} == set(tuning.LOCAL_CHOICES)
+    assert len({s.layout for s in second}) == 1 and set(second) == {s for s in shapes if s.layout == second[0].layout}
+    assert replace(chosen, gemm_local=None) in second
 
 
 def test_attention_split_over_a_long_context_agrees_with_the_reference(tmp_path):

@@ -249,12 +249,16 @@ class OpenCLBackend(PooledBackend):
         self._last = self._scratch(hp.n_embd * f)  # the normed row the head multiplies
         self._logits = self._scratch(hp.n_vocab * f)
         self._token = self._scratch(4)  # the greedy token of an argmax span: all that comes back of its row
-        self._cells = self._scratch(options.kv_tokens * 4)
+        self._cells = self._scratch(options.kv_tokens * 4)  # the cells of the sequence a span runs on, by position
+        self._cells_held: tuple[int, int] | None = None  # that sequence, and how many positions' cells stand there
         self._start = self._scratch(4)  # the chunk's first position
         self._dequantized = self._scratch(4 * _largest_matrix(info))
-        half = rows * hp.head_dim // 2 * f
-        self._angles = {hp.layer_rope_base(layer): (self._scratch(half), self._scratch(half))
-                        for layer in range(hp.n_layer)}  # fmt: skip  # cos, sin: a row a token
+        # cos and sin of RoPE's angles at every position the cache can hold (a row each), for each base the layers
+        # use: computed once, so that a step uploads no angles.
+        positions = np.arange(options.kv_tokens)
+        self._angles = {hp.layer_rope_base(layer): self._rope_table(layer, positions) for layer in range(hp.n_layer)}
+        half = hp.head_dim // 2 * f
+        self._rerotation = (self._scratch(half), self._scratch(half))  # an eviction's one angle
         self._body, self._tail, self._head = self._plan(tensors)
         best, at = self._scratch(ARGMAX_PARTS * f), self._scratch(ARGMAX_PARTS * 4)  # float32s, int32s
         stretch = np.int32(-(-hp.n_vocab // ARGMAX_PARTS))
@@ -367,7 +371,7 @@ class OpenCLBackend(PooledBackend):
         out = []
         try:
             for span in spans:
-                cl.enqueue_copy(self._queue, self._cells, np.asarray(self._pool.cells(span.seq), np.int32))
+                self._upload_cells(span)
                 rows = []
                 for first in range(0, len(span.tokens), self._rows):
                     chunk = span.tokens[first : first + self._rows]
@@ -387,17 +391,26 @@ class OpenCLBackend(PooledBackend):
             raise
         return out
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        super().copy_prefix(src, dst, n)
+        if self._cells_held is not None and self._cells_held[0] == dst:  # its positions hold other cells now
+            self._cells_held = None
+
     def evict(self, seq: int, start: int, end: int) -> None:
         self._check_open()
         kept = self._pool.evict(seq, start, end)
         if not kept:
             return
         hp = self._hp
+        self._cells_held = None  # the buffer lists the kept cells instead
         cl.enqueue_copy(self._queue, self._cells, np.asarray(kept, np.int32))
         # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
         neox = np.int32(hp.arch.rope_style == "neox")
+        cos, sin = self._rerotation
         for layer in range(hp.n_layer):
-            cos, sin = self._upload_angles(layer, np.array([start - end]))
+            angles = (start - end) * self._rotary.inv_freq[layer]  # as the reference computes them
+            cl.enqueue_copy(self._queue, cos, np.cos(angles).astype(np.float32))
+            cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
             self._launch(
                 "ops.cl", "rerotate", len(kept) * hp.n_head_kv * hp.head_dim // 2,
                 self._cache[layer][0], self._cells, cos, sin, np.int32(hp.n_head_kv), neox,
@@ -604,13 +617,24 @@ class OpenCLBackend(PooledBackend):
         parts = layout_parts(kind, raw, k, shape.float_scales and kind in HALF_SCALES, shape.lanes)
         return _Matrix(kind, tuple(self._buffer(part) for part in parts), raw.shape[0], k, shape.lanes)
 
-    def _upload_angles(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
-        """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), into the buffers of its base."""
+    def _rope_table(self, layer: int, positions: np.ndarray) -> tuple[cl.Buffer, cl.Buffer]:
+        """cos and sin of ``layer``'s RoPE angles at ``positions`` (a row each), in buffers of their own."""
         angles = np.asarray(positions, np.float64)[:, None] * self._rotary.inv_freq[layer]  # as the reference
-        cos, sin = self._angles[self._hp.layer_rope_base(layer)]
-        cl.enqueue_copy(self._queue, cos, np.cos(angles).astype(np.float32))
-        cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
-        return cos, sin
+        return self._buffer(np.cos(angles).astype(np.float32)), self._buffer(np.sin(angles).astype(np.float32))
+
+    def _upload_cells(self, span: Span) -> None:
+        """The cells of ``span``'s sequence into the device's list, up to the span's last position: only those
+        not there already, since a sequence's earlier positions keep their cells (a copy of 30 us on PoCL, where
+        a fill of one value takes 1 us to enqueue)."""
+        cells = self._pool.cells(span.seq)
+        held = self._cells_held
+        first = min(held[1], span.start) if held is not None and held[0] == span.seq else 0
+        if len(cells) - first == 1:  # a decode step's one new cell
+            cl.enqueue_fill_buffer(self._queue, self._cells, np.int32(cells[first]), 4 * first, 4)
+        else:
+            cl.enqueue_copy(self._queue, self._cells, np.asarray(cells[first:], np.int32), dst_offset=4 * first,
+                            is_blocking=False)  # fmt: skip
+        self._cells_held = (span.seq, len(cells))
 
     def _run(self, tokens: Sequence[int], start: int, wanted: Sequence[int], argmax: bool) -> list[np.ndarray]:
         """A chunk of one sequence's tokens from position ``start``, its keys and values into their cells (the
@@ -620,11 +644,8 @@ class OpenCLBackend(PooledBackend):
         x = dequantize(self._embedding[np.asarray(tokens)], self._embedding_type).reshape(n, hp.n_embd)
         if hp.arch.embed_scale:
             x = x * np.float32(math.sqrt(hp.n_embd))
-        cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32))
-        cl.enqueue_copy(queue, self._start, np.array([start], np.int32))
-        positions = np.arange(start, start + n)
-        for layer in {hp.layer_rope_base(layer): layer for layer in range(hp.n_layer)}.values():  # a layer a base
-            self._upload_angles(layer, positions)
+        cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32), is_blocking=False)
+        cl.enqueue_fill_buffer(queue, self._start, np.int32(start), 0, 4)
         for planned in self._body:
             planned.enqueue(queue, n)
         if not wanted:
@@ -734,11 +755,13 @@ def _splits(kv_tokens: int) -> int:
 
 def _scratch_bytes(info: ModelInfo, options: BackendOptions) -> int:
     """The device buffers a chunk works in: its activations, attention's parts and the largest product
-    dequantized."""
+    dequantized; and the RoPE tables, cos and sin at every position for each base."""
     hp = info.hparams
     parts = hp.n_head * _splits(options.kv_tokens) * (hp.head_dim + 2)
-    rows = 3 * hp.n_embd + hp.q_dim + 2 * hp.kv_dim + hp.q_dim + 2 * hp.n_ff + hp.head_dim + parts  # x, h, ...
-    return 4 * (options.batch_size * rows + _largest_matrix(info) + hp.n_vocab + options.kv_tokens)
+    rows = 3 * hp.n_embd + hp.q_dim + 2 * hp.kv_dim + hp.q_dim + 2 * hp.n_ff + parts  # x, h, out, qkv, ...
+    bases = len({hp.layer_rope_base(layer) for layer in range(hp.n_layer)})
+    tables = bases * options.kv_tokens * hp.head_dim
+    return 4 * (options.batch_size * rows + _largest_matrix(info) + hp.n_vocab + options.kv_tokens + tables)
 
 
 def _largest_matrix(info: ModelInfo) -> int:

@@ -57,7 +57,7 @@ int2 pair_of(int i, int neox) {
 }
 
 // RoPE on the query heads (scaled by the attention's scale) and the key heads of each token's qkv = [q | k | v],
-// with its position's cos and sin (a row of HEAD_DIM / 2 each a token), then its keys and values into its
+// with its position's cos and sin (tables of a row of HEAD_DIM / 2 a position), then its keys and values into its
 // cell of the layer's cache: a work-item a rotation pair of one head.
 __kernel void rope_store(__global float *qkv, __global const float *cos_, __global const float *sin_,
                          __global KV_T *keys, __global KV_T *values, __global const int *cells,
@@ -70,7 +70,8 @@ __kernel void rope_store(__global float *qkv, __global const float *cos_, __glob
     bool is_key = head >= n_head;
     int start = head * HEAD_DIM;  // keys follow the queries in qkv
     float s = is_key ? 1.0f : scale;
-    float c = cos_[t * half_dim + i] * s, sn = sin_[t * half_dim + i] * s;
+    size_t angle = (size_t)(step[0] + t) * half_dim + i;
+    float c = cos_[angle] * s, sn = sin_[angle] * s;
     float x0 = row[start + ab.x], x1 = row[start + ab.y];
     float r0 = x0 * c - x1 * sn, r1 = x0 * sn + x1 * c;
     row[start + ab.x] = r0;
