@@ -35,20 +35,27 @@ from edgeinfer.system import cache_dir
 ROWS_CHOICES = (2, 4, 8)
 LOCAL_CHOICES = (None, 32, 64)  # None: the driver's choice
 LANES = 16  # rows a work-item of the lanes layout, one a lane of its float16 sums
-# A lanes work-item does 16 rows' work, so its groups are smaller: SmolLM2's 576 rows are 36 work-items.
-LANES_LOCAL_CHOICES = (None, 1, 4)
+# A lanes work-item does 16 rows' work, so its groups are smaller: SmolLM2's 576 rows are 36 work-items. Not the
+# driver's groups: PoCL made those 36 one group, which runs on one core, and timed alone that sometimes won, but
+# in a decode step it cost: three tunings that chose it for one or two of SmolLM2's products gave 11.7-12.3 ms a
+# token, one that did not 10.8 (the lanes layout is for CPU devices, whose drivers all run a group on one core).
+LANES_LOCAL_CHOICES = (1, 4)
 # The prompt's tiled product (gemm: a work-item computes 4 rows by 4 tokens) in groups of (row tiles, token tiles);
 # None: the driver's choice. On PoCL a 64-token chunk of SmolLM2's products took 0.55x to 0.85x the driver's time
 # in (8, 8) or (4, 16) groups, and up to 2x in (64, 1) ones (a /tmp script, 2026-12-05).
 GEMM_LOCALS: tuple[tuple[int, int] | None, ...] = (None, (8, 8), (16, 4), (4, 16), (32, 2))
 GEMM_TILE = 4  # rows, and tokens, a gemm work-item computes
 ROUNDS = 5  # timed runs of each shape, in turns with the others, after one to warm up; the median counts
-TUNING_VERSION = "2"  # how shapes are chosen: a record made by another way is measured again
+TUNING_VERSION = "3"  # how shapes are chosen: a record made by another way is measured again
 FLUSH_BYTES = 64 << 20  # read before each timed run: more than the last-level cache of the devices we run
 FLUSH = """
 __kernel void flush(__global const float4 *src, __global float *dst) {
     float4 v = src[get_global_id(0)];
     if (v.x == 12345.0f) dst[0] = v.y;  // never true: the read cannot be left out
+}
+
+__kernel void follow(__global float *dst) {
+    dst[0] = 0.0f;
 }
 """
 
@@ -157,12 +164,14 @@ class Timer:
 
     def __init__(self, context: cl.Context) -> None:
         self.queue = cl.CommandQueue(context, properties=cl.command_queue_properties.PROFILING_ENABLE)
-        self._flush = cl.Kernel(cl.Program(context, FLUSH).build(), "flush")
+        program = cl.Program(context, FLUSH).build()
+        self._flush, self._follow = cl.Kernel(program, "flush"), cl.Kernel(program, "follow")
         self._flush_buffers = (cl.Buffer(context, cl.mem_flags.READ_ONLY, FLUSH_BYTES),
                                cl.Buffer(context, cl.mem_flags.WRITE_ONLY, 4))  # fmt: skip
         # Written once: a CPU driver's never-written buffer can be the system's one zero page, always cached.
         cl.enqueue_fill_buffer(self.queue, self._flush_buffers[0], np.float32(1), 0, FLUSH_BYTES).wait()
         self._flush.set_args(*self._flush_buffers)
+        self._follow.set_args(self._flush_buffers[1])
 
     def tune(self, launch: Callable[[Shape], tuple[cl.Kernel, int]], shapes: tuple[Shape, ...]) -> tuple[Shape, float]:
         """The fastest of ``shapes`` for a product whose launch in a shape is ``launch(shape)`` (its kernel and the
@@ -206,7 +215,12 @@ class Timer:
         (after a warm-up of each). A shared machine's speed drifts from one second to the next, so runs timed back
         to back compare moments as much as kernels: here one tuning chose the flat layout for SmolLM2's Q, K and V
         and its gate and up on PoCL, and its 4-bit products took 1.18x as long a step as in the lanes layout that
-        three other tunings chose. A run the device refuses (a group larger than it allows) is left out."""
+        three other tunings chose. A run the device refuses (a group larger than it allows) is left out.
+
+        A run counts until a one-work-item kernel after it has run, as a decode step runs every kernel between
+        others: on PoCL the driver's groups for SmolLM2's 576x576 product were one group, which ran on one core
+        and after which the next kernel started 13 us later, against 4 us after groups of 4; a step took 1.10x
+        as long (a /tmp profile, 2026-12-05)."""
         times: dict[Key, list[float]] = {}
         for key, (kernel, size, local) in runs.items():
             try:
@@ -219,8 +233,9 @@ class Timer:
                 kernel, size, local = runs[key]
                 cl.enqueue_nd_range_kernel(self.queue, self._flush, (FLUSH_BYTES // 16,), None)
                 event = cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
-                event.wait()
-                taken.append((event.profile.end - event.profile.start) * 1e-9)
+                after = cl.enqueue_nd_range_kernel(self.queue, self._follow, (1,), None)
+                after.wait()
+                taken.append((after.profile.end - event.profile.start) * 1e-9)
         return {key: statistics.median(taken) for key, taken in times.items()}
 
 
