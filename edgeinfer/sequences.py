@@ -149,7 +149,13 @@ class SequenceCache:
     def evict(self, seq: int, start: int, end: int) -> None:
         """Drop ``seq``'s positions ``[start, end)``, shifting later ones down; no other sequence may share them."""
         state = self.sequences[seq]
-        self.backend.evict(seq, start, end)
+        try:
+            self.backend.evict(seq, start, end)
+        except BaseException:
+            # The backend may have moved some of the later positions and not others: forget them all, as a failed
+            # evaluation leaves nothing of its span.
+            self.forget(seq, start)
+            raise
         del state.tokens[start:end]
         # Shifted positions were re-rotated, not computed as a cold run computes them.
         state.exact = min(state.exact, start // self.batch_size * self.batch_size)

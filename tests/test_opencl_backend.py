@@ -26,7 +26,7 @@ from support import reference_copies
 
 cl = pytest.importorskip("pyopencl", reason="the OpenCL backend needs pyopencl (pip install 'edgeinfer[opencl]')")
 try:
-    from edgeinfer.backends.opencl.backend import HALF_SCALES, LANES_TYPES, Launch, OpenCLBackend
+    from edgeinfer.backends.opencl.backend import HALF_SCALES, LANES_TYPES, OP_GROUPS_PER_UNIT, Launch, OpenCLBackend
     from edgeinfer.backends.opencl.device import ENV, choose_device, opencl_devices
     from edgeinfer.backends.opencl.tuning import LANES_SHAPES, Shape, first_shape
 except BackendUnavailableError as exc:
@@ -154,6 +154,76 @@ def test_a_device_failure_mid_decode_fails_the_call_and_the_next_one_starts_clea
         del backend._run  # type: ignore[attr-defined]
         again = engine.generate("The", max_tokens=6, temperature=0, ignore_eos=True)
         assert again.tokens == cold.tokens and again.metrics.cached_tokens == 0
+
+
+def test_an_eviction_wider_than_the_largest_group_re_rotates_every_kept_key(tmp_path):
+    """On a CPU device the small kernels run in groups shared out among the cores (``OpenCLBackend._op``); the
+    re-rotation of a long context's kept keys needs more work-items a group than a kernel takes, and its groups stay
+    within the largest. One layer: the evicted run equals a cold run of the kept tokens."""
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", n_layer=1, n_head=8, n_head_kv=8))
+    hp = info.hparams
+    options = BackendOptions(kv_tokens=16, kv_type="f32")
+    with closing(OpenCLBackend(info, options)) as probe:
+        if probe.device.gpu:
+            pytest.skip("a GPU's small kernels run in its driver's groups")
+        kernel = cl.Kernel(probe._program("ops.cl"), "rerotate")
+        largest = kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, probe._cl_device)
+        units = probe.device.compute_units
+    kept = -(-(largest + 1) * OP_GROUPS_PER_UNIT * units // (hp.n_head_kv * hp.head_dim // 2))
+    tokens = [int(t) for t in np.random.default_rng(3).integers(3, hp.n_vocab, kept + 15)]
+    options = BackendOptions(kv_tokens=kept + 16, kv_type="f32", batch_size=256)
+    with closing(OpenCLBackend(info, options)) as backend:
+        backend.eval([Span(0, 0, tokens[: kept + 10])])
+        backend.evict(0, 0, 10)
+        shifted = np.array(backend.eval([Span(0, kept, tokens[kept + 10 :], all_logits=True)])[0])
+    with closing(OpenCLBackend(info, options)) as cold:
+        cold.eval([Span(0, 0, tokens[10 : kept + 10])])
+        expected = np.array(cold.eval([Span(0, kept, tokens[kept + 10 :], all_logits=True)])[0])
+    divergence, agree = kld(expected, shifted), top1(expected, shifted)
+    assert divergence <= 1e-6 and agree == 1.0, f"{kept} kept: KLD {divergence:.2e}, top-1 {agree:.3f}"
+
+
+def test_a_device_failure_mid_eviction_forgets_what_it_moved(tmp_path, monkeypatch):
+    """A fault while re-rotating leaves some layers' keys moved and others not: the backend forgets the positions
+    from the eviction's start, says so in one line, and the engine's next call equals a cold one."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with closing(OpenCLBackend(load_model_info(path), BackendOptions(kv_tokens=64))) as backend:
+        real, rotations = Launch.enqueue, []
+
+        def second_layer_fails(launch: Launch, queue: cl.CommandQueue, tokens: int = 1) -> None:
+            if launch.kernel.function_name == "rerotate":
+                rotations.append(launch)
+                if len(rotations) == 2:  # a read past a buffer's end, which the driver refuses
+                    cl.enqueue_copy(queue, np.empty(1 << 22, np.float32), backend._logits)
+            real(launch, queue, tokens)
+
+        backend.eval([Span(0, 0, list(range(3, 43)))])
+        monkeypatch.setattr(Launch, "enqueue", second_layer_fails)
+        with pytest.raises(BackendError) as exc:
+            backend.evict(0, 4, 20)
+        monkeypatch.undo()
+        assert "\n" not in str(exc.value) and "re-rotating" in str(exc.value)
+        assert backend._pool.lengths()[0] == 4  # the positions the eviction moved are gone
+    # The engine forgets them too: its next call, on the same prompt, would otherwise take the positions past the
+    # eviction's start for cached and find the backend without them.
+    prompt = "The quick brown fox"  # 18 tokens of the 32 the cache holds: the answer's 15th evicts
+    with Engine(path, backend="opencl", kv_budget="32tok", kv_policy="sinks", threads=2, speculative="off") as engine:
+        cold = engine.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+        engine.reset()
+        evictions = []
+
+        def first_eviction_fails(launch: Launch, queue: cl.CommandQueue, tokens: int = 1) -> None:
+            if launch.kernel.function_name == "rerotate" and not evictions:
+                evictions.append(launch)
+                cl.enqueue_copy(queue, np.empty(1 << 22, np.float32), engine.backend._logits)  # type: ignore[attr-defined]
+            real(launch, queue, tokens)
+
+        monkeypatch.setattr(Launch, "enqueue", first_eviction_fails)
+        with pytest.raises(BackendError):
+            engine.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+        monkeypatch.undo()
+        again = engine.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+        assert evictions and again.tokens == cold.tokens and again.metrics.kv_evicted == cold.metrics.kv_evicted > 0
 
 
 def test_kernels_are_built_once_and_kept_as_binaries_where_the_driver_keeps_no_builds(tmp_path, monkeypatch):
@@ -395,7 +465,7 @@ def test_the_layout_is_chosen_by_its_best_groups(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning.Timer, "in_turns", lambda self, runs: rounds.append(list(runs)) or real(self, runs))
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", tensor_type="Q4_0"))
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:
-        chosen = backend._shapes["Q4_0 128x128"]
+        chosen = backend._shapes["Q4_0 256x128"]  # Q, K and V stacked: the first product timed
     first, second = rounds[0], rounds[1]  # the first product's two rounds (then its prompt product's groups)
     shapes = tuning.shapes_for(half_scales=True, lanes=True)
     assert set(first) == {s for s in shapes if s.rows == tuning.first_shape(s.layout).rows}

@@ -251,12 +251,16 @@ class OpenCLBackend(PooledBackend):
         self._token = self._scratch(4)  # the greedy token of an argmax span: all that comes back of its row
         self._cells = self._scratch(options.kv_tokens * 4)  # the cells of the sequence a span runs on, by position
         self._cells_held: tuple[int, int] | None = None  # that sequence, and how many positions' cells stand there
+        # The last copy of the cells and of the token rows, each kept until the next: pyopencl's event holds the
+        # host array, and letting it go waits for the copy (and all before it) to end.
+        self._uploads: list[cl.Event | None] = [None, None]
         self._start = self._scratch(4)  # the chunk's first position
         self._dequantized = self._scratch(4 * _largest_matrix(info))
         # cos and sin of RoPE's angles at every position the cache can hold (a row each), for each base the layers
         # use: computed once, so that a step uploads no angles.
         positions = np.arange(options.kv_tokens)
-        self._angles = {hp.layer_rope_base(layer): self._rope_table(layer, positions) for layer in range(hp.n_layer)}
+        firsts = {hp.layer_rope_base(layer): layer for layer in reversed(range(hp.n_layer))}  # a layer a base
+        self._angles = {base: self._rope_table(layer, positions) for base, layer in firsts.items()}
         half = hp.head_dim // 2 * f
         self._rerotation = (self._scratch(half), self._scratch(half))  # an eviction's one angle
         self._body, self._tail, self._head = self._plan(tensors)
@@ -401,19 +405,23 @@ class OpenCLBackend(PooledBackend):
             return
         hp = self._hp
         self._cells_held = None  # the buffer lists the kept cells instead
-        cl.enqueue_copy(self._queue, self._cells, np.asarray(kept, np.int32))
         # Rotating by -(end - start) positions moves the keys' RoPE to their new places.
         neox = np.int32(hp.arch.rope_style == "neox")
         cos, sin = self._rerotation
-        for layer in range(hp.n_layer):
-            angles = (start - end) * self._rotary.inv_freq[layer]  # as the reference computes them
-            cl.enqueue_copy(self._queue, cos, np.cos(angles).astype(np.float32))
-            cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
-            self._op(
-                "rerotate", len(kept) * hp.n_head_kv * hp.head_dim // 2,
-                self._cache[layer][0], self._cells, cos, sin, np.int32(hp.n_head_kv), neox,
-            ).enqueue(self._queue)  # fmt: skip
-        self._queue.finish()
+        try:
+            cl.enqueue_copy(self._queue, self._cells, np.asarray(kept, np.int32))
+            for layer in range(hp.n_layer):
+                angles = (start - end) * self._rotary.inv_freq[layer]  # as the reference computes them
+                cl.enqueue_copy(self._queue, cos, np.cos(angles).astype(np.float32))
+                cl.enqueue_copy(self._queue, sin, np.sin(angles).astype(np.float32))
+                self._op(
+                    "rerotate", len(kept) * hp.n_head_kv * hp.head_dim // 2,
+                    self._cache[layer][0], self._cells, cos, sin, np.int32(hp.n_head_kv), neox,
+                ).enqueue(self._queue)  # fmt: skip
+            self._queue.finish()
+        except cl.Error as exc:  # the moved keys may be rotated in some layers and not others: they are gone
+            self._pool.truncate(seq, start)
+            raise BackendError(f"the OpenCL device failed re-rotating the kept keys: {_first_line(exc)}") from None
 
     def close(self) -> None:
         if self._closed:
@@ -455,15 +463,18 @@ class OpenCLBackend(PooledBackend):
     def _op(self, name: str, size: int, *args: object) -> Launch:
         """``ops.cl``'s kernel ``name`` with ``args`` set, over ``size`` work-items: in the driver's groups on a GPU;
         on a CPU device, whose driver runs a group on one core and may make a small kernel one group, in
-        OP_GROUPS_PER_UNIT groups a core or as near as divides ``size``. On PoCL attention over 200 positions took
-        1.32 ms a step in the driver's groups and 0.80 ms in 18 groups of 2, where RoPE's 384 work-items took
-        0.11 ms in the driver's groups, 0.18-0.21 ms in groups of one and 0.10-0.13 ms in 16 groups of 24."""
-        local = None
-        if not self.device.gpu:
-            local = max(1, size // (OP_GROUPS_PER_UNIT * self.device.compute_units))
-            while size % local:
-                local -= 1
-        return self._launch("ops.cl", name, size, *args, local=None if local is None else (local, 1))
+        OP_GROUPS_PER_UNIT groups a core or as near as divides ``size`` within the largest group the kernel takes.
+        On PoCL attention over 200 positions took 1.32 ms a step in the driver's groups and 0.80 ms in 18 groups of
+        2, where RoPE's 384 work-items took 0.11 ms in the driver's groups, 0.18-0.21 ms in groups of one and
+        0.10-0.13 ms in 16 groups of 24."""
+        launch = self._launch("ops.cl", name, size, *args)
+        if self.device.gpu:
+            return launch
+        largest = launch.kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self._cl_device)
+        local = max(1, min(size // (OP_GROUPS_PER_UNIT * self.device.compute_units), largest))
+        while size % local:
+            local -= 1
+        return replace(launch, local=(local, 1))
 
     def _launch(
         self,
@@ -643,8 +654,8 @@ class OpenCLBackend(PooledBackend):
         if len(cells) - first == 1:  # a decode step's one new cell
             cl.enqueue_fill_buffer(self._queue, self._cells, np.int32(cells[first]), 4 * first, 4)
         else:
-            cl.enqueue_copy(self._queue, self._cells, np.asarray(cells[first:], np.int32), dst_offset=4 * first,
-                            is_blocking=False)  # fmt: skip
+            self._uploads[0] = cl.enqueue_copy(self._queue, self._cells, np.asarray(cells[first:], np.int32),
+                                               dst_offset=4 * first, is_blocking=False)  # fmt: skip
         self._cells_held = (span.seq, len(cells))
 
     def _run(self, tokens: Sequence[int], start: int, wanted: Sequence[int], argmax: bool) -> list[np.ndarray]:
@@ -655,7 +666,7 @@ class OpenCLBackend(PooledBackend):
         x = dequantize(self._embedding[np.asarray(tokens)], self._embedding_type).reshape(n, hp.n_embd)
         if hp.arch.embed_scale:
             x = x * np.float32(math.sqrt(hp.n_embd))
-        cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32), is_blocking=False)
+        self._uploads[1] = cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32), is_blocking=False)
         cl.enqueue_fill_buffer(queue, self._start, np.int32(start), 0, 4)
         for planned in self._body:
             planned.enqueue(queue, n)

@@ -8,11 +8,12 @@ lanes layout (``matvec_<type>_lanes``): 16 rows a work-item, a row a vector lane
 vectors want. Which is fastest depends on the device and on the matrix: a CPU driver such as PoCL wants few,
 long work-items in as many groups as it has cores, a GPU many, in groups its schedulers fill, and a small
 matrix gives either less to share out. So the first load of a model times the shapes on each of its
-products' types and sizes (the layout first, then rows and group sizes in it: ``Timer.tune``), and keeps
-the fastest for each, with the group size of the prompt's tiled product (``gemm``) timed in that layout, in the
-cache folder under a digest of the device, its driver and the kernels' source:
-a new driver or a changed kernel measures again. A decode step streams every weight from memory once, so each
-timed run starts with the device's caches emptied (a read of a buffer larger than them).
+products' types and sizes (the layout first, each in every group size at its first rows, then the other rows
+in the chosen layout: ``Timer.tune``), and keeps the fastest for each, with the group size of the prompt's tiled
+product (``gemm``) timed in that layout, in the cache folder under a digest of the device, its driver, the
+tuning's version and the kernels' source: a new driver or a changed kernel measures again. A decode step
+streams every weight from memory once, so each timed run starts with the device's caches emptied (a read of a
+buffer larger than them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ LANES = 16  # rows a work-item of the lanes layout, one a lane of its float16 su
 # A lanes work-item does 16 rows' work, so its groups are smaller: SmolLM2's 576 rows are 36 work-items. Not the
 # driver's groups: PoCL made those 36 one group, which runs on one core, and timed alone that sometimes won, but
 # in a decode step it cost: three tunings that chose it for one or two of SmolLM2's products gave 11.7-12.3 ms a
-# token, one that did not 10.8 (the lanes layout is for CPU devices, whose drivers all run a group on one core).
+# token, one that did not 10.8. The lanes layout is timed on every device but is made for CPU devices, whose
+# drivers run a group on one core; a GPU should choose the flat layout (not measured here: no GPU).
 LANES_LOCAL_CHOICES = (1, 4)
 # The prompt's tiled product (gemm: a work-item computes 4 rows by 4 tokens) in groups of (row tiles, token tiles);
 # None: the driver's choice. On PoCL a 64-token chunk of SmolLM2's products took 0.55x to 0.85x the driver's time
@@ -117,7 +119,8 @@ def shapes_for(half_scales: bool, lanes: bool) -> tuple[Shape, ...]:
 
 
 def first_shape(layout: tuple[bool, bool]) -> Shape:
-    """The shape a layout is timed in before its rows and groups are: the default rows, the driver's groups."""
+    """A shape of ``layout``, whose rows the first round of ``Timer.tune`` times every group size at (the default
+    rows; a lanes work-item's are fixed), and in which a matrix is uploaded to be timed in that layout."""
     float_scales, lanes = layout
     return LANES_SHAPES[0] if lanes else Shape(float_scales=float_scales)
 
