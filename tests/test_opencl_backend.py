@@ -81,6 +81,22 @@ def test_a_device_is_picked_by_index_by_a_part_of_its_name_or_by_the_environment
     assert "\n" not in str(exc.value) and first.index in str(exc.value)
 
 
+def test_a_device_named_wins_over_an_environment_that_names_none(tmp_path, monkeypatch):
+    """A stale EDGEINFER_OPENCL_DEVICE refuses only the loads that would use it; `info` lists the devices and says
+    what is wrong with it."""
+    first, _ = opencl_devices()[0]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(ENV, "no such device")
+    with Engine(path, backend="opencl", device=first.index, kv_budget="16tok", threads=2) as engine:
+        assert engine.backend.device == first  # type: ignore[attr-defined]
+    with pytest.raises(InvalidOptionError) as exc:
+        Engine(path, backend="opencl", kv_budget="16tok", threads=2)
+    assert "\n" not in str(exc.value) and "'no such device'" in str(exc.value)
+    done = subprocess.run([sys.executable, "-m", "edgeinfer", "info"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "no OpenCL device 'no such device'" in done.stdout and first.index in done.stdout
+
+
 def test_the_engine_and_the_cli_take_a_device_by_a_part_of_its_name_platform_or_version(tmp_path, model_path):
     first, _ = opencl_devices()[0]
     path = write_tiny_gguf(tmp_path / "tiny.gguf")

@@ -169,8 +169,12 @@ class OpenCLBackend(PooledBackend):
         found = opencl_devices()
         if not found:
             return []
-        default, _ = choose_device(None)
-        return [Device(CPU, f"the default OpenCL device: {default.index} {default.name}")] + [
+        try:
+            default, _ = choose_device(None)
+            chosen = f"{default.index} {default.name}"
+        except InvalidOptionError as exc:  # EDGEINFER_OPENCL_DEVICE names none: a device given by name still runs
+            chosen = f"none, {exc}"
+        return [Device(CPU, f"the default OpenCL device: {chosen}")] + [
             Device(info.index, info.describe(), None if not info.gpu else info.global_bytes, info.global_bytes)
             for info, _ in found
         ]
