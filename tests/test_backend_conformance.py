@@ -501,20 +501,26 @@ def test_a_copied_prefix_continues_as_if_computed_and_truncating_the_copy_leaves
 
 def test_a_prefix_copied_into_the_sequence_evaluated_last_replaces_its_cells(cls, infos):
     # A backend that keeps the last sequence's cells where its kernels read them must not take the copy's
-    # positions for the ones it holds; and decoding a token a step after a truncation equals one batch.
+    # positions for the ones it holds; nor miss the cells of a token a step after a truncation. The cold run
+    # takes the same batches, so that only the cells can differ (llama.cpp's single-token rows differ from a
+    # batch's by up to 2.4e-3 here, a third of the smallest top-1 margin).
     prefix, rest = TOKENS[:16], OTHER[:12]
+
+    def continued(backend: Backend, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        (batch,) = logits(backend, Span(seq, 16, rest, all_logits=True))
+        backend.truncate(seq, 20)
+        return batch, np.stack([logits(backend, Span(seq, 20 + i, [token]))[0] for i, token in enumerate(rest[4:])])
+
     with opened(cls, infos["llama"], n_seq=2) as backend:
         logits(backend, Span(0, 0, prefix))
         logits(backend, Span(1, 0, OTHER[40:70]))  # sequence 1 last: its 30 cells where the kernels read
         backend.copy_prefix(0, 1, 16)
-        (copied,) = logits(backend, Span(1, 16, rest, all_logits=True))
-        backend.truncate(1, 20)
-        stepped = [logits(backend, Span(1, 20 + i, [token]))[0] for i, token in enumerate(rest[4:])]
+        copied, stepped = continued(backend, 1)
     with opened(cls, infos["llama"]) as cold:
         logits(cold, Span(0, 0, prefix))
-        (expected,) = logits(cold, Span(0, 16, rest, all_logits=True))
+        expected, expected_steps = continued(cold, 0)
     assert_close(expected, copied, SEQUENCE_KLD, "continued from a prefix copied over the last sequence")
-    assert_close(expected[4:], np.stack(stepped), SEQUENCE_KLD, "a token a step after a truncation")
+    assert_close(expected_steps, stepped, SEQUENCE_KLD, "a token a step after a truncation")
 
 
 def test_only_sequences_below_n_seq_exist(cls, infos):
