@@ -257,7 +257,8 @@ class OpenCLBackend(PooledBackend):
         self._cells_held: tuple[int, int] | None = None  # that sequence, and how many positions' cells stand there
         # The last copy of the cells and of the token rows, each kept until the next: pyopencl's event holds the
         # host array, and letting it go waits for the copy (and all before it) to end.
-        self._uploads: list[cl.Event | None] = [None, None]
+        self._cells_copy: cl.Event | None = None
+        self._rows_copy: cl.Event | None = None
         self._start = self._scratch(4)  # the chunk's first position
         self._dequantized = self._scratch(4 * _largest_matrix(info))
         # cos and sin of RoPE's angles at every position the cache can hold (a row each), for each base the layers
@@ -658,7 +659,7 @@ class OpenCLBackend(PooledBackend):
         if len(cells) - first == 1:  # a decode step's one new cell
             cl.enqueue_fill_buffer(self._queue, self._cells, np.int32(cells[first]), 4 * first, 4)
         else:
-            self._uploads[0] = cl.enqueue_copy(self._queue, self._cells, np.asarray(cells[first:], np.int32),
+            self._cells_copy = cl.enqueue_copy(self._queue, self._cells, np.asarray(cells[first:], np.int32),
                                                dst_offset=4 * first, is_blocking=False)  # fmt: skip
         self._cells_held = (span.seq, len(cells))
 
@@ -670,7 +671,7 @@ class OpenCLBackend(PooledBackend):
         x = dequantize(self._embedding[np.asarray(tokens)], self._embedding_type).reshape(n, hp.n_embd)
         if hp.arch.embed_scale:
             x = x * np.float32(math.sqrt(hp.n_embd))
-        self._uploads[1] = cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32), is_blocking=False)
+        self._rows_copy = cl.enqueue_copy(queue, self._x, np.ascontiguousarray(x, np.float32), is_blocking=False)
         cl.enqueue_fill_buffer(queue, self._start, np.int32(start), 0, 4)
         for planned in self._body:
             planned.enqueue(queue, n)

@@ -207,7 +207,8 @@ class Timer:
         return min(timings, key=timings.__getitem__, default=shape)
 
     def median_seconds(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...] | None = None) -> float:
-        """Median seconds of ``ROUNDS`` runs of ``kernel``, each after the caches are emptied, after a warm-up."""
+        """Median seconds of ``ROUNDS`` runs of ``kernel``, each after the caches are emptied and until a kernel
+        after it has run (``in_turns``), after a warm-up."""
         timings = self.in_turns({kernel: (kernel, size, local)})
         if not timings:
             raise BackendError(f"the OpenCL device refused {kernel.function_name} in groups of {local}")
