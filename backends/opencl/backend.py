@@ -79,6 +79,7 @@ FLAT_PARTS: dict[QType, tuple[int, ...]] = {
 HALF_SCALES: dict[QType, tuple[int, ...]] = {QType.Q4_0: (0,), QType.Q4_1: (0, 1), QType.Q5_0: (0,), QType.Q8_0: (0,)}
 # The types with kernels for the lanes layout too (products.cl): their flat parts with rows across lanes.
 LANES_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
+FOUR_BIT_LANES = (QType.Q4_0, QType.Q4_1)  # their codes in 32-bit words of 8 (products.cl)
 _KV_DTYPES: dict[str, type] = {"f16": np.float16, "f32": np.float32}
 # Cells of the cache a part of attention covers when the cache is full: a decode step's attention over a long
 # context then runs as that many work-items a head, joined after.
@@ -724,7 +725,7 @@ def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes
     the layout its kernel reads: as they are for F32 and F16, else the flat one (FLAT_PARTS), its half scales
     widened to float32 if ``float_scales``; with ``lanes`` (LANES_TYPES, and float32 scales), each part's rows in
     groups of LANES, zero rows padding the last, and within a group a block's values for the LANES rows side
-    by side (``products.cl``)."""
+    by side, 4-bit codes as words of 8 (``products.cl``)."""
     n = raw.shape[0]
     if kind not in FLAT_PARTS:
         return [raw]
@@ -736,6 +737,10 @@ def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes
         parts[i] = parts[i].view(np.float16).astype(np.float32)
     if not lanes:
         return parts
+    if kind in FOUR_BIT_LANES:  # GGUF's byte p holds elements p and p + 16; a word holds 8 elements in order
+        codes = parts[-1]
+        elements = np.concatenate([codes & 15, codes >> 4], axis=-1)
+        parts[-1] = (elements[..., 0::2] | elements[..., 1::2] << 4).view("<u4")
     groups = -(-n // LANES)
     across = []
     for part in parts:  # (rows, blocks, values of a block) -> (groups, blocks, values, LANES)
