@@ -237,10 +237,15 @@ void put_lanes(float16 acc, __global float *y, __global const float *bias, int a
     }
 }
 
-// s is the sum of (1 + c / 16) x: the codes' sum is 16 (s - block_sum), and their offset's (Q4_0's -8) the rest.
+// s is the sum of (1 + c / 16) x: the codes' sum with x is 16 (s - block_sum), the offset's (Q4_0's -8, Q4_1's m)
+// the offset times block_sum.
 __kernel void matvec_q4_0_lanes(__global const float *d, __global const uint *q, __global const float *x,
                                 __global float *y, __global const float *bias, int k, int at, int n) {
-#define LANE_BLOCK_END acc += vload16(first + b, d) * (16.0f * s - 24.0f * block_sum);
+#define LANE_BLOCK_END                                                                                      \
+    {                                                                                                       \
+        float16 scale = vload16(first + b, d);                                                              \
+        acc += scale * (16.0f * (s - block_sum)) - 8.0f * scale * block_sum;                                \
+    }
     FOR_LANE_BLOCKS(4, EACH_WORD, NIBBLES_X)
 #undef LANE_BLOCK_END
 }
