@@ -74,6 +74,10 @@ def test_a_device_is_picked_by_index_by_a_part_of_its_name_or_by_the_environment
     assert choose_device(first.index)[0] == first
     assert choose_device(first.name[3:12].upper())[0] == first  # any part, any case
     assert choose_device(first.opencl_c.split()[-1].lower())[0] == first  # "pocl", from "OpenCL C 1.2 PoCL"
+    assert choose_device("0")[0] == first  # a place in the list, not the "0" of "OpenCL 3.0"
+    past = str(len(opencl_devices()))  # "1" here, which "OpenCL C 1.2" holds
+    with pytest.raises(InvalidOptionError, match=f"no OpenCL device '{past}' here; choose one by P:D"):
+        choose_device(past)
     monkeypatch.setenv(ENV, first.index)
     assert choose_device(None)[0] == first
     with pytest.raises(InvalidOptionError) as exc:

@@ -1,7 +1,8 @@
 """The OpenCL devices this machine has, as ``edgeinfer info`` lists them and the backend picks one.
 
 A device is named by its platform and device indices, ``P:D`` (``0:1``: the second device of the
-first platform), or by a part of its description (its name, platform, OpenCL version...: ``pocl``, ``mali``).
+first platform), by its place in ``edgeinfer info``'s list (``1``: the second device listed), or by a part of
+its description (its name, platform, OpenCL version...: ``pocl``, ``mali``).
 The default is ``EDGEINFER_OPENCL_DEVICE`` if set, else the first GPU, else the first device.
 """
 
@@ -83,9 +84,10 @@ def opencl_devices() -> list[tuple[OpenCLDevice, cl.Device]]:
 
 
 def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
-    """The device ``wanted`` names (``P:D``, or a part of one device's description: its name, platform, OpenCL
-    version..., its name first; None: ``EDGEINFER_OPENCL_DEVICE``, else the first GPU, else the first device). One
-    line naming the devices there are if none matches, or those that match if several do."""
+    """The device ``wanted`` names (``P:D``; a number, its place in the list; or a part of one device's
+    description: its name, platform, OpenCL version..., its name first; None: ``EDGEINFER_OPENCL_DEVICE``, else the
+    first GPU, else the first device). One line naming the devices there are if none matches, or those that match
+    if several do."""
     devices = opencl_devices()
     if not devices:
         raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
@@ -94,10 +96,14 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
     by_index = {info.index: (info, device) for info, device in devices}
     described = [(info.index, info.name, info.describe()) for info, _ in devices]
-    index = wanted if wanted in by_index else device_by_part(wanted, described, "OpenCL devices")
+    if wanted.isascii() and wanted.isdigit():  # a place in the list, never a part of a description ("OpenCL 3.0")
+        index = devices[int(wanted)][0].index if int(wanted) < len(devices) else None
+    else:
+        index = wanted if wanted in by_index else device_by_part(wanted, described, "OpenCL devices")
     if index is None:
         names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
         raise InvalidOptionError(
-            f"no OpenCL device {wanted!r} here; choose one by index or a part of its description: {names}"
+            f"no OpenCL device {wanted!r} here; choose one by P:D, its place in this list from 0, or a part of its"
+            f" description: {names}"
         )
     return by_index[index]
