@@ -739,8 +739,9 @@ def layout_parts(kind: QType, raw: np.ndarray, k: int, float_scales: bool, lanes
         return parts
     if kind in FOUR_BIT_LANES:  # GGUF's byte p holds elements p and p + 16; a word holds 8 elements in order
         codes = parts[-1]
-        elements = np.concatenate([codes & 15, codes >> 4], axis=-1)
-        parts[-1] = (elements[..., 0::2] | elements[..., 1::2] << 4).view("<u4")
+        elements = np.concatenate([codes & 15, codes >> 4], axis=-1).astype(np.uint32)
+        nibbles = elements.reshape(*elements.shape[:-1], 4, 8) << (4 * np.arange(8, dtype=np.uint32))
+        parts[-1] = np.bitwise_or.reduce(nibbles, axis=-1)  # in the host's byte order, as the floats are
     groups = -(-n // LANES)
     across = []
     for part in parts:  # (rows, blocks, values of a block) -> (groups, blocks, values, LANES)

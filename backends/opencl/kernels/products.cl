@@ -170,22 +170,23 @@ __kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __g
 // The "lanes" layout: each work-item takes 16 rows, one a lane of float16 sums, so that every product of a code
 // and x is a 16-wide vector operation with x's value the same in each lane, and the work-item reads its rows'
 // blocks as one stream. Rows come in groups of 16 (the last group padded with zero rows), and within a group
-// block by block, a vector of codes for the group's 16 rows side by side, then its 16 float32 scales (and Q4_1's
-// 16 minimums, in a buffer of their own):
+// block by block, a vector of codes for the group's 16 rows side by side:
 //   4 bits: four 32-bit words a row's block, word v holding elements 8v to 8v + 7, element 8v + j in bits 4j to
 //           4j + 3 (the upload reorders GGUF's bytes, whose byte p holds elements p and p + 16);
 //   Q8_0:   32 bytes a row's block, in order.
-// On PoCL a 16384x8192 product takes under half the flat layout's time at 4 bits and 0.7 to 0.85 of it for Q8_0
-// (scripts/bench_opencl.py); a GPU wants the flat one, and the timing (tuning.py) chooses.
+// The blocks' 16 float32 scales lie in a buffer of their own in the same order, and Q4_1's minimums in another.
+// On PoCL a 16384x8192 product takes under half the flat layout's time at 4 bits (scripts/bench_opencl.py); a GPU
+// wants the flat one, and the timing (tuning.py) chooses.
 #define LANE_ROW0 (get_global_id(0) * 16)
 // A block's codes times x's (xb: the block's 32 values), a row a lane, into four sums, so that each product need
 // not wait for the one before: at 4 bits on PoCL, 1.04 to 1.08 times as fast as with one sum. x's values are read
 // one at a time, which a CPU device broadcasts from memory: taken from a vector register instead, each costs a
 // shuffle, and the 4-bit products ran 1.2 to 1.3 times as long (docs/BENCHMARKS.md).
 // A 4-bit code c of each lane's word w as the float 1 + c / 16: c moved to the top of a float's fraction, under
-// the exponent of 1.0. Two integer operations instead of masking, widening and converting: the 4-bit products
-// take 0.9 of the time on PoCL. The sum of (1 + c / 16) x is x's block sum plus a 16th of the codes' sum; the
-// rounding it adds is a few float32 ulps, against 4-bit codes' error of a percent.
+// the exponent of 1.0, by a shift and a mask-and-or (one instruction on AVX-512) instead of masking, widening and
+// converting: the 4-bit products take 0.9 of the time on PoCL. The sum of (1 + c / 16) x is x's block sum plus
+// the sum of c x / 16, recovered by a subtraction that cancels: its rounding is a few float32 ulps of 16 times
+// the block's sum of |x|, 1.5 to 3 times the direct sum's error (about 1e-7 of the sum of |w x|).
 #define NIBBLE(w, j)                                                                                        \
     as_float16((((j) * 4 <= 19 ? (w) << (uint16)(19 - (j) * 4) : (w) >> (uint16)((j) * 4 - 19)) & 0x780000u) | \
                0x3F800000u)
