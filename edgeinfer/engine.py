@@ -158,18 +158,25 @@ class Engine:
             gpu_layers=gpu_layers,
         )
 
+        def bought(cls: type[Backend], kv_type: str) -> int:
+            """The cells the KV budget buys on ``cls`` at ``kv_type``."""
+            return self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, kv_type), cls.kv_block)
+
         def loading(cls: type[Backend]) -> BackendOptions:
             """The options ``cls`` would load the model with: its device by name, its KV type, the budget in its
-            cells."""
+            cells (no more than the model's context)."""
             options = check_options(cls, requested)
-            wanted = min(
-                self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, options.kv_type), cls.kv_block),
-                self.info.hparams.n_ctx_train,
-            )
+            wanted = min(bought(cls, options.kv_type), self.info.hparams.n_ctx_train)
             return dataclasses.replace(options, kv_tokens=wanted)
 
         backend_cls = choose_backend(backend, self.info, loading)
         options = loading(backend_cls)
+        asked = bought(backend_cls, options.kv_type)
+        if asked > options.kv_tokens and self.kv_budget != KVBudget.parse(DEFAULT_KV_BUDGET):
+            log.warning(
+                "the KV budget of %s is more than %s's context of %d tokens: the cache holds %d",
+                self.kv_budget.describe(asked), self.model_path.name, options.kv_tokens, options.kv_tokens,
+            )  # fmt: skip
         if options.kv_tokens < MIN_KV_TOKENS:
             raise InvalidOptionError(
                 f"a KV budget of {options.kv_tokens} tokens is too small; give at least {MIN_KV_TOKENS}"

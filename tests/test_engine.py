@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import subprocess
 import sys
 import threading
@@ -325,6 +326,19 @@ def test_byte_budget_and_q8_kv_cache(model_path):
         assert "Tokyo" in q8.chat(JAPAN, temperature=0, max_tokens=32).text
         long = q8.generate("Once upon a time", max_tokens=300, ignore_eos=True, seed=2)
         assert long.metrics.output_tokens == 300
+
+
+def test_a_budget_beyond_the_models_context_is_capped_with_a_warning(model_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="edgeinfer"), Engine(model_path, kv_budget="99999tok", threads=1) as e:
+        context = e.info.hparams.n_ctx_train
+        assert e.capacity == context < 99999
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [f"the KV budget of 99999 tokens is more than {model_path.name}'s context of {context} tokens: "
+                    f"the cache holds {context}"]  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgeinfer"), Engine(model_path, threads=1):
+        pass  # the default budget is capped without a word, where a model's context is shorter
+    assert not [r for r in caplog.records if "KV budget" in r.getMessage()]
 
 
 def test_budget_below_one_block_is_a_clear_error(model_path):
