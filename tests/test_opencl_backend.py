@@ -3,6 +3,7 @@ agreement on real weights over 512 tokens, the devices it lists and picks, and w
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -446,17 +447,33 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     for text in unreadable:  # a field missing: the second a record from before the scales' layouts, the third from
         record.write_text(text)  # before the prompt's product was timed
         assert tuning.recorded_shapes(record) == {}
+    for rows, local in ((4, 4.7), ("4", None), (True, None)):  # edited by hand: no count, not one read as 4 or 1
+        fields = {"rows": rows, "local": local, "float_scales": False, "lanes": False, "gemm_local": None}
+        record.write_text(json.dumps({"Q8_0 128x128": fields}))
+        assert tuning.recorded_shapes(record) == {}
     record.write_text("{not json")
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend:  # timed again: maybe not alike
         assert set(backend._shapes) == set(shapes) and len(timed) == len(shapes)
     assert tuning.recorded_shapes(record) == backend._shapes
 
 
+def test_a_cache_that_cannot_keep_the_timings_says_so_and_the_model_runs(tmp_path, monkeypatch, caplog):
+    """An EDGEINFER_CACHE_DIR that is a file: the products are timed at every load, which one line says."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(blocked))
+    info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf", tensor_type="Q8_0"))
+    with caplog.at_level("WARNING", "edgeinfer"), closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as b:
+        assert b.eval([Span(0, 0, [3])])[0].shape == (info.hparams.n_vocab,)
+    said = [r.getMessage() for r in caplog.records if "timings" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0]
+    assert said[0].startswith(f"cannot keep the OpenCL products' timings in {blocked / 'opencl'}")
+    assert said[0].endswith("the next load times them again; set EDGEINFER_CACHE_DIR to a writable folder")
+
+
 def test_a_recorded_shape_the_type_cannot_take_is_measured_again(tmp_path, monkeypatch):
     """A record edited by hand (or by a bug) that gives an F16 product the lanes layout, which only Q4_0, Q4_1
     and Q8_0 have, is timed again instead of being run in a layout its blocks are not in."""
-    import json
-
     from edgeinfer.backends.opencl import tuning
 
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))

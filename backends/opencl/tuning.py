@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import statistics
 from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, replace
@@ -32,6 +33,8 @@ import pyopencl as cl
 from edgeinfer.errors import BackendError
 from edgeinfer.files import write_atomic
 from edgeinfer.system import cache_dir
+
+log = logging.getLogger("edgeinfer.backends.opencl")
 
 ROWS_CHOICES = (2, 4, 8)
 LOCAL_CHOICES = (None, 32, 64)  # None: the driver's choice
@@ -145,12 +148,15 @@ def recorded_shapes(path: Path) -> dict[str, Shape]:
 
 
 def record_shapes(path: Path, shapes: dict[str, Shape]) -> None:
-    """Keep ``shapes``; an unwritable cache only means measuring again at the next load."""
+    """Keep ``shapes``; an unwritable cache only means measuring again at the next load, which a line says."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({name: asdict(shape) for name, shape in sorted(shapes.items())}) + "\n")
-    except OSError:
-        pass
+    except OSError as exc:
+        log.warning(
+            "cannot keep the OpenCL products' timings in %s (%s): the next load times them again; set "
+            "EDGEINFER_CACHE_DIR to a writable folder", path.parent, exc.strerror or exc,
+        )  # fmt: skip
 
 
 def shape_key(type_name: str, n: int, k: int) -> str:
@@ -253,11 +259,18 @@ def _timed_run(launch: Callable[[Shape], tuple[cl.Kernel, int]], shape: Shape) -
 
 
 def _shape(fields: dict) -> Shape:
-    local = None if fields["local"] is None else int(fields["local"])
+    local = None if fields["local"] is None else _whole(fields["local"])
     if not isinstance(fields["float_scales"], bool) or not isinstance(fields["lanes"], bool):
         raise ValueError(f"float_scales or lanes is not true or false: {fields!r}")
-    shape = Shape(int(fields["rows"]), local, fields["float_scales"], fields["lanes"])
-    gemm_local = None if fields["gemm_local"] is None else tuple(int(size) for size in fields["gemm_local"])
+    shape = Shape(_whole(fields["rows"]), local, fields["float_scales"], fields["lanes"])
+    gemm_local = None if fields["gemm_local"] is None else tuple(_whole(size) for size in fields["gemm_local"])
     if shape not in SHAPES or gemm_local not in GEMM_LOCALS:
         raise ValueError(f"no such shape: {fields!r}")
     return replace(shape, gemm_local=gemm_local)
+
+
+def _whole(value: object) -> int:
+    """A record's count as it was written: a 4.7 or a "4" is no count, and its record is measured again."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"not a whole number: {value!r}")
+    return value
