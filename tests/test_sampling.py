@@ -12,7 +12,7 @@ import pytest
 from edgeinfer import InvalidOptionError
 from edgeinfer.sampler import Sampler, _top_k
 from edgeinfer.sampling import SamplingParams
-from edgeinfer.textstream import TextStream
+from edgeinfer.textstream import JOIN_EVERY, TextStream
 
 RNG = np.random.default_rng(0)
 LOGITS = RNG.normal(size=1000).astype(np.float32)
@@ -212,6 +212,24 @@ def test_a_character_cut_off_by_max_tokens_is_dropped_not_replaced():
     assert stream.push("ok 🤖".encode()[:-2]) == "ok "
     assert stream.flush() == ""
     assert stream.text == "ok "
+
+
+@pytest.mark.parametrize("stop", [(), ("<END>",)])
+def test_a_long_answers_text_is_every_piece_shown_in_order(stop):
+    """Past the pieces joined every JOIN_EVERY (the text is kept in pieces, not copied whole each token), with a
+    character split across tokens at a join and a stop string held back over one."""
+    stream, shown = TextStream(stop=stop), []
+    euro = "€".encode()
+    n = 2 * JOIN_EVERY + 7
+    for i in range(n):
+        piece = euro[:1] if i == JOIN_EVERY else euro[1:] if i == JOIN_EVERY + 1 else f"{i} ".encode()
+        shown.append(stream.push(piece))
+    shown.append(stream.push(b" <EN"))
+    shown.append(stream.push(b"D> never shown" if stop else b"D>"))
+    shown.append(stream.flush())
+    assert stream.text == "".join(shown) and "€" in stream.text
+    assert stream.text.endswith(f"{n - 1}  ") if stop else stream.text.endswith(f"{n - 1}  <END>")
+    assert stream.stopped == bool(stop)
 
 
 def test_the_held_back_tail_is_the_longest_that_could_begin_a_stop_string():
