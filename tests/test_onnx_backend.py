@@ -26,7 +26,7 @@ from edgeinfer.backends.base import BackendOptions, Span, check_options
 from edgeinfer.backends.onnx import graph
 from edgeinfer.backends.onnx.activations import FLOAT, INT8, INT8_KLD_LIMIT
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
-from edgeinfer.backends.onnx.graph_cache import cached_graph, graph_path, weights_path
+from edgeinfer.backends.onnx.graph_cache import cached_graph, chosen_accuracy_level, graph_path, weights_path
 from edgeinfer.backends.onnx.spec import BUILDER_VERSION, GraphSpec
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.info import ModelInfo, load_model_info
@@ -147,6 +147,13 @@ def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_
     finally:
         backend.close()
 
+    digests = path.with_name(path.name + ".sha256")
+    digests.unlink()
+    digests.mkdir()  # a folder where its digests were: damaged too, and said in one line, not a traceback
+    with pytest.raises(InvalidOptionError) as exc:
+        OnnxRuntimeBackend(tiny, options())
+    assert "\n" not in str(exc.value) and str(tmp_path / "onnx") in str(exc.value)
+
 
 def test_a_kv_type_gets_its_own_graph(tiny):
     assert graph_path(tiny, GraphSpec("f16", 0)) != graph_path(tiny, GraphSpec("f32", 0))
@@ -192,6 +199,18 @@ def test_int8_activations_are_kept_only_for_a_model_they_move_little(tmp_path, m
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         assert OnnxRuntimeBackend.accuracy_level(info, options()) == chosen
     assert any("measuring" in r.message for r in caplog.records)
+
+    lock = record.with_name(record.name + ".lock")
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # no lock can be taken there: a cache that is only read (read-only, say) still gives its choice
+    assert OnnxRuntimeBackend.accuracy_level(info, options()) == chosen
+    lock.rmdir()
+    kept = record.read_text()
+    for level in ("99", "-1", "1" + "0" * 30, "true", "4.0"):  # no level MatMulNBits is built with here
+        record.write_text(kept.replace(f'"accuracy_level": {chosen}', f'"accuracy_level": {level}'))
+        assert chosen_accuracy_level(info) is None
+    record.write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
+    assert chosen_accuracy_level(info) is None
 
 
 def test_a_model_without_4_bit_codes_is_not_measured(tiny, tmp_path, monkeypatch, caplog):

@@ -204,6 +204,9 @@ class OnnxRuntimeBackend:
         little, measured at its first load (``activations.py``) and kept in the graph cache."""
         if not _four_bit(info):
             return FLOAT  # the level changes nothing: 8-bit codes always take int8 activations, floats none
+        chosen = chosen_accuracy_level(info)
+        if chosen is not None:  # read without the lock: a cache only read (read-only, say) needs no lock file
+            return chosen
         with choosing_accuracy_level(info):
             level = chosen_accuracy_level(info)
             if level is None:
@@ -337,7 +340,8 @@ class OnnxRuntimeBackend:
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own classes, all of them Exception
             if options.device == CPU:
                 raise BackendError(
-                    f"ONNX Runtime cannot load the graph built for {info.path.name}: {_first_line(exc)}"
+                    f"ONNX Runtime cannot load the graph built for {info.path.name} ({graph}): {_first_line(exc)};"
+                    " remove that file to build it again"
                 ) from None
             log.warning("%s cannot run %s (%s); running on the CPU", options.device, info.path.name, _first_line(exc))
             return OnnxRuntimeBackend._open_session(info, graph, dataclasses.replace(options, device=CPU))

@@ -39,6 +39,7 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.tensors import open_tensors
 from edgeinfer.system import cache_dir
 
+from .activations import FLOAT, INT8
 from .spec import BUILDER_VERSION, GraphSpec
 
 if TYPE_CHECKING:
@@ -118,8 +119,9 @@ def _whole(path: Path) -> bool:
     digest_path = _digests_path(path)
     if not all(f.exists() for f in (*files, digest_path)):
         return False
-    if digest_path.read_bytes().split() == [file_digest(f).encode() for f in files]:
-        return True
+    with contextlib.suppress(OSError):  # a folder in a file's place, say: damaged as well
+        if digest_path.read_bytes().split() == [file_digest(f).encode() for f in files]:
+            return True
     log.warning("the cached graph %s is damaged; building it again", path.name)
     return False
 
@@ -127,11 +129,12 @@ def _whole(path: Path) -> bool:
 def _build(info: ModelInfo, spec: GraphSpec, path: Path) -> None:
     """Build the graph in a folder of its own, then rename its files into place: weights, graph, digests."""
     files = (path, weights_path(path))
+    from .graph import build_graph  # onnx, imported only to build (0.8 s: before the folder, which Ctrl-C would leave)
+
     try:
         folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     except OSError as exc:
         raise _unwritable(path, exc) from None
-    from .graph import build_graph  # onnx, imported only to build
 
     try:
         with open_tensors(info) as tensors:
@@ -167,9 +170,9 @@ def chosen_accuracy_level(info: ModelInfo) -> int | None:
     record is unreadable, which measures it again)."""
     try:
         level = json.loads(_activations_path(info).read_bytes())["accuracy_level"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # the last: brackets nested past Python's
         return None
-    return level if isinstance(level, int) and not isinstance(level, bool) else None
+    return level if type(level) is int and level in (FLOAT, INT8) else None
 
 
 def record_accuracy_level(info: ModelInfo, level: int, kld: float) -> None:

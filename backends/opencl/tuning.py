@@ -143,7 +143,7 @@ def recorded_shapes(path: Path) -> dict[str, Shape]:
     try:
         record = json.loads(path.read_bytes())
         return {name: _shape(fields) for name, fields in record.items()}
-    except (OSError, ValueError, TypeError, AttributeError, LookupError):
+    except (OSError, ValueError, TypeError, AttributeError, LookupError, RecursionError):
         return {}
 
 
