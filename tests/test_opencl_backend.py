@@ -457,6 +457,20 @@ def test_the_shapes_are_measured_once_per_device_and_kept(tmp_path, monkeypatch,
     assert tuning.recorded_shapes(record) == backend._shapes
 
 
+def test_two_first_loads_at_once_keep_both_models_timings(tmp_path):
+    """Each adds its products to the record as it stands when it writes, under a lock: a process that read the
+    record before another wrote kept only its own products, and the other model was timed again."""
+    from edgeinfer.backends.opencl import tuning
+
+    record = tmp_path / "shapes.json"
+    first, second = tuning.SHAPES[0], tuning.SHAPES[-1]
+    tuning.record_shapes(record, {"Q4_1 3072x576": first})  # one model's first load ends
+    tuning.record_shapes(record, {"Q5_0 640x640": second})  # another's, which began before the first ended
+    assert tuning.recorded_shapes(record) == {"Q4_1 3072x576": first, "Q5_0 640x640": second}
+    tuning.record_shapes(record, {"Q4_1 3072x576": second})  # timed again: the new shape replaces the old
+    assert tuning.recorded_shapes(record)["Q4_1 3072x576"] == second
+
+
 def test_a_cache_that_cannot_keep_the_timings_says_so_and_the_model_runs(tmp_path, monkeypatch, caplog):
     """An EDGEINFER_CACHE_DIR that is a file: the products are timed at every load, which one line says."""
     blocked = tmp_path / "a-file"

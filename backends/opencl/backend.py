@@ -538,7 +538,7 @@ class OpenCLBackend(PooledBackend):
 
                 shapes[key], _ = timer.tune(launch, tried[key])
                 shapes[key] = self._tune_gemm(timer, layouts[shapes[key].layout], shapes[key], info)
-            record_shapes(path, shapes)  # with other models' sizes: the record is the device's
+            record_shapes(path, {key: shapes[key] for key in missing})  # the record is the device's, for every model
         return {key: shapes[key] for key in products}
 
     def _tune_gemm(self, timer: Timer, matrix: _Matrix, shape: Shape, info: ModelInfo) -> Shape:

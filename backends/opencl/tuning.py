@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import numpy as np
 import pyopencl as cl
+from filelock import FileLock
 
 from edgeinfer.errors import BackendError
 from edgeinfer.files import write_atomic
@@ -148,10 +149,14 @@ def recorded_shapes(path: Path) -> dict[str, Shape]:
 
 
 def record_shapes(path: Path, shapes: dict[str, Shape]) -> None:
-    """Keep ``shapes``; an unwritable cache only means measuring again at the next load, which a line says."""
+    """Add ``shapes`` to the record, read again under a lock: another process may have timed other products since
+    this one read it (two first loads at once kept only the last one's). An unwritable cache only means measuring
+    again at the next load, which a line says."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({name: asdict(shape) for name, shape in sorted(shapes.items())}) + "\n")
+        with FileLock(path.with_name(path.name + ".lock")):
+            kept = recorded_shapes(path) | shapes
+            write_atomic(path, json.dumps({name: asdict(shape) for name, shape in sorted(kept.items())}) + "\n")
     except OSError as exc:
         log.warning(
             "cannot keep the OpenCL products' timings in %s (%s): the next load times them again; set "
