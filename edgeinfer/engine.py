@@ -82,7 +82,8 @@ class Engine:
         sequences: KV sequences the backend keeps: conversations cached side by side (a new
             conversation that shares a system prompt with a cached one copies its KV instead of
             recomputing it), and how many answers ``generate_batch`` decodes together.
-        device: where the backend runs (``"cpu"``, or a GPU its ``devices()`` lists).
+        device: where the backend runs (``"cpu"`` or None, or a GPU its ``devices()`` lists: by name, by index
+            after the default, or by a part of its name or description).
         gpu_layers: layers placed on ``device`` when it is a GPU (-1, the default: all).
         speculative: ``"lookup"`` (the default without ``draft``) drafts tokens from the prompt and the answer
             so far and verifies them in one evaluation (``edgeinfer.speculative``), where that pays at the
@@ -126,7 +127,7 @@ class Engine:
         threads: int | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
         sequences: int = DEFAULT_SEQUENCES,
-        device: str = CPU,
+        device: str | int | None = CPU,
         gpu_layers: int = -1,
         speculative: str | Speculation | None = None,
         draft: str | os.PathLike[str] | None = None,
@@ -145,6 +146,10 @@ class Engine:
         for name, value in (("batch_size", batch_size), ("sequences", sequences)):
             if value < 1:
                 raise InvalidOptionError(f"{name} must be at least 1, got {value}")
+        if device is None or (isinstance(device, int) and not isinstance(device, bool)):
+            device = CPU if device is None else str(device)
+        elif not isinstance(device, str):
+            raise InvalidOptionError(f"device must be a name or an index, such as 'cpu' or 0; got {device!r}")
         self.model_path = resolve_model(model)
         self.info: ModelInfo = load_model_info(self.model_path)
         self.threads = thread_count(threads)

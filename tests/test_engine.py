@@ -341,6 +341,16 @@ def test_a_budget_beyond_the_models_context_is_capped_with_a_warning(model_path,
     assert not [r for r in caplog.records if "KV budget" in r.getMessage()]
 
 
+def test_a_device_given_as_none_or_a_number_is_read_as_the_cli_reads_it(model_path):
+    with Engine(model_path, backend="reference", device=None, kv_budget="64tok") as engine:  # None: the default
+        assert engine.backend.name == "reference"
+    with pytest.raises(InvalidOptionError, match="the reference backend has no device '0' here"):
+        Engine(model_path, backend="reference", device=0, kv_budget="64tok")  # an index, as --device 0 is
+    for odd in (1.5, b"cpu", ["cpu"]):
+        with pytest.raises(InvalidOptionError, match="device must be a name or an index"):
+            Engine(model_path, backend="reference", device=odd, kv_budget="64tok")  # type: ignore[arg-type]
+
+
 def test_budget_below_one_block_is_a_clear_error(model_path):
     with pytest.raises(InvalidOptionError, match="allocation unit of 256 tokens"):
         Engine(model_path, kv_budget="1MB", threads=1)

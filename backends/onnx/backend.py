@@ -74,6 +74,7 @@ from .spec import (
 
 log = logging.getLogger("edgeinfer.backends.onnx")
 CPU_PROVIDER = "CPUExecutionProvider"
+REMOTE_PROVIDER = "AzureExecutionProvider"  # calls a cloud endpoint; it runs no graph here
 
 
 @dataclass
@@ -139,8 +140,9 @@ class OnnxRuntimeBackend:
 
     @classmethod
     def devices(cls) -> list[Device]:
-        """The CPU, then every other execution provider the installed onnxruntime offers, by its own name."""
-        others = [name for name in ort.get_available_providers() if name != CPU_PROVIDER]
+        """The CPU, then every other execution provider the installed onnxruntime offers, by its own name: those
+        that compute here (Azure's sends a request to a cloud endpoint, which this backend's graph is not for)."""
+        others = [name for name in ort.get_available_providers() if name not in (CPU_PROVIDER, REMOTE_PROVIDER)]
         return [Device(CPU, "the CPU, through ONNX Runtime's CPU execution provider")] + [
             Device(name, f"ONNX Runtime's {name}, falling back to the CPU for what it cannot run") for name in others
         ]
