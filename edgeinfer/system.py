@@ -195,10 +195,11 @@ def check_memory(need: MemoryNeed, *, force: bool) -> None:
 
 
 def cache_dir() -> Path:
-    """Where edgeinfer keeps small state (``EDGEINFER_CACHE_DIR`` overrides)."""
+    """Where edgeinfer keeps small state (``EDGEINFER_CACHE_DIR`` overrides). A leading ``~`` is the home folder,
+    as a shell would have made it: an environment file or a service's settings pass it as it is written."""
     if os.environ.get("EDGEINFER_CACHE_DIR"):
-        return Path(os.environ["EDGEINFER_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer"
+        return Path(os.environ["EDGEINFER_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "edgeinfer"
 
 
 def llama_cpp_libraries() -> list[Path] | None:

@@ -96,7 +96,7 @@ def test_a_device_named_wins_over_an_environment_that_names_none(tmp_path, monke
         assert engine.backend.device == first  # type: ignore[attr-defined]
     with pytest.raises(InvalidOptionError) as exc:
         Engine(path, backend="opencl", kv_budget="16tok", threads=2)
-    assert "\n" not in str(exc.value) and "'no such device'" in str(exc.value)
+    assert "\n" not in str(exc.value) and f"'no such device' ({ENV})" in str(exc.value)  # where it came from
     done = subprocess.run([sys.executable, "-m", "edgeinfer", "info"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "no OpenCL device 'no such device'" in done.stdout and first.index in done.stdout

@@ -201,3 +201,14 @@ def test_a_damaged_probe_cache_is_ignored(model_path):
     state.write_text("[]")
     probe_native_build(model_path)
     assert list(json.loads(state.read_text()).values()) == ["ok"]
+
+
+def test_a_cache_dir_from_the_environment_may_start_at_home(tmp_path, monkeypatch):
+    """As an environment file or a service's settings write it, unexpanded: not a folder named "~" in the cwd."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", "~/edgeinfer-cache")
+    assert cache_dir() == tmp_path / "edgeinfer-cache"
+    monkeypatch.delenv("EDGEINFER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/.xdg")
+    assert cache_dir() == tmp_path / ".xdg" / "edgeinfer"

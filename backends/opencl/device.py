@@ -91,6 +91,7 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
     devices = opencl_devices()
     if not devices:
         raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
+    named = f"OpenCL device {wanted!r}" if wanted else f"OpenCL device {os.environ.get(ENV)!r} ({ENV})"
     wanted = wanted or os.environ.get(ENV) or None
     if wanted is None:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
@@ -103,7 +104,6 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
     if index is None:
         names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
         raise InvalidOptionError(
-            f"no OpenCL device {wanted!r} here; choose one by P:D, its place in this list from 0, or a part of its"
-            f" description: {names}"
+            f"no {named} here; choose one by P:D, its place in this list from 0, or a part of its description: {names}"
         )
     return by_index[index]
