@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import importlib.metadata
 import logging
 import math
@@ -35,7 +36,14 @@ from edgeinfer.backends.base import (
 )
 from edgeinfer.chat import CHATML_MARKER, MAX_CONTENT_CHARS, ChatTemplate, Continuation, Message
 from edgeinfer.draft_model import DraftModel, ModelDrafts
-from edgeinfer.errors import BackendError, ContextFull, EdgeInferError, InvalidOptionError
+from edgeinfer.errors import (
+    BackendError,
+    ContextFull,
+    EdgeInferError,
+    InsufficientMemoryError,
+    InvalidOptionError,
+    first_line,
+)
 from edgeinfer.kv import DEFAULT_KV_BUDGET, DEFAULT_PROMPT_CACHE_SIZE, MIN_KV_TOKENS, KVBudget, KVPolicy
 from edgeinfer.logits import confidence, token_logprobs
 from edgeinfer.metrics import Metrics
@@ -194,7 +202,15 @@ class Engine:
             cache_bytes = parse_size(prompt_cache_size, "prompt_cache_size")
             identity = self._state_identity(backend_cls.name, options)
             self._prompt_cache = PromptCache(prompt_cache, identity, cache_bytes)
-        self.backend: Backend = backend_cls(self.info, options)
+        try:
+            self.backend: Backend = backend_cls(self.info, options)
+        except (MemoryError, OSError) as exc:  # past the check above (or forced): others took memory, or a limit
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:  # a map refused: mmap's ENOMEM
+                raise
+            raise InsufficientMemoryError(
+                f"out of memory loading {self.model_path.name} on the {backend_cls.name} backend ({first_line(exc)});"
+                " free memory, lower --kv-budget or choose a smaller model"
+            ) from None
         try:
             # After the backend: llama.cpp's tokenizer shares the model the llama.cpp backend loaded.
             self.tokenizer = engine_tokenizer(self.info, backend_cls.loads_llamacpp)

@@ -77,3 +77,8 @@ class ConversionError(EdgeInferError):
 # What importing a native library's Python binding raises when the package is missing or its
 # shared library will not load (a backend, the tokenizer's llama.cpp).
 NATIVE_LOAD_ERRORS = (ImportError, OSError, RuntimeError)
+
+
+def first_line(exc: BaseException) -> str:
+    """What ``exc`` says, in one line (a native library's message may run to many), or its class if it says nothing."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

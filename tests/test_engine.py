@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from tiny_model import write_tiny_gguf
 
 from edgeinfer import ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
 
@@ -349,6 +350,31 @@ def test_a_device_given_as_none_or_a_number_is_read_as_the_cli_reads_it(model_pa
     for odd in (1.5, b"cpu", ["cpu"]):
         with pytest.raises(InvalidOptionError, match="device must be a name or an index"):
             Engine(model_path, backend="reference", device=odd, kv_budget="64tok")  # type: ignore[arg-type]
+
+
+OUT_OF_ADDRESS_SPACE = """
+import resource, sys
+import psutil
+from edgeinfer import Engine, EdgeInferError
+# A limit on this process's address space, 1 GiB past what its imports took: the cache's map cannot be made.
+used = psutil.Process().memory_info().vms
+resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, resource.RLIM_INFINITY))
+try:
+    Engine(sys.argv[1], backend="reference", kv_budget="16000000tok", kv_type="f32", force=True)
+except EdgeInferError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_running_out_of_memory_while_loading_is_one_line(tmp_path):
+    """Past the memory check (forced past it here, or other processes taking memory meanwhile, or a ulimit): the
+    backend's allocation fails, and says so in one line naming the fixes, not as an internal error."""
+    path = write_tiny_gguf(tmp_path / "long.gguf", n_layer=1, n_embd=1024, n_head=8, n_head_kv=8, n_ctx=16_000_000)
+    done = subprocess.run([sys.executable, "-c", OUT_OF_ADDRESS_SPACE, str(path)], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert done.stdout.startswith("InsufficientMemoryError out of memory loading long.gguf on the reference backend")
+    assert done.stdout.rstrip().endswith("free memory, lower --kv-budget or choose a smaller model")
 
 
 def test_budget_below_one_block_is_a_clear_error(model_path):

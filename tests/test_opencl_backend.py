@@ -146,6 +146,24 @@ def test_a_model_and_cache_too_large_for_the_device_are_refused_before_upload(tm
     assert "\n" not in message and "MiB" in message and device.name in message and "--kv-budget" in message
 
 
+def test_a_cache_layer_past_the_devices_largest_buffer_is_one_line(tmp_path):
+    """Within the device's memory, but one layer's keys larger than the largest buffer it allocates (PoCL here:
+    8 GiB of 21.5): the driver's refusal is a BackendError naming the fix, not an internal error."""
+    device, cl_device = choose_device(None)
+    largest = cl_device.max_mem_alloc_size
+    kv_dim = 1024  # 8 KV heads of 128
+    tokens = largest // (4 * kv_dim) + 1
+    path = write_tiny_gguf(tmp_path / "wide.gguf", n_layer=1, n_embd=kv_dim, n_head=8, n_head_kv=8, n_ctx=tokens)
+    info = load_model_info(path)
+    if 2 * tokens * kv_dim * 4 + tokens * 128 * 4 > 0.9 * device.global_bytes:
+        pytest.skip("this device's largest buffer is too near its memory: the load is refused before upload")
+    with pytest.raises(BackendError) as exc:
+        OpenCLBackend(info, BackendOptions(kv_tokens=tokens, kv_type="f32"))
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith(f"{device.name} could not hold wide.gguf and its cache (")
+    assert message.endswith("lower --kv-budget or choose a smaller model")
+
+
 def test_a_kernel_the_compiler_refuses_is_one_line_with_its_first_error(tmp_path):
     info = load_model_info(write_tiny_gguf(tmp_path / "tiny.gguf"))
     with closing(OpenCLBackend(info, BackendOptions(kv_tokens=16))) as backend, pytest.raises(BackendError) as exc:

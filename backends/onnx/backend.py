@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 import onnxruntime as ort
 
-from edgeinfer.errors import BackendError, BackendUnavailableError
+from edgeinfer.errors import BackendError, BackendUnavailableError, first_line
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import open_tensors
@@ -342,10 +342,10 @@ class OnnxRuntimeBackend:
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own classes, all of them Exception
             if options.device == CPU:
                 raise BackendError(
-                    f"ONNX Runtime cannot load the graph built for {info.path.name} ({graph}): {_first_line(exc)};"
+                    f"ONNX Runtime cannot load the graph built for {info.path.name} ({graph}): {first_line(exc)};"
                     " remove that file to build it again"
                 ) from None
-            log.warning("%s cannot run %s (%s); running on the CPU", options.device, info.path.name, _first_line(exc))
+            log.warning("%s cannot run %s (%s); running on the CPU", options.device, info.path.name, first_line(exc))
             return OnnxRuntimeBackend._open_session(info, graph, dataclasses.replace(options, device=CPU))
         if options.device != CPU and options.device not in session.get_providers():
             why = next((line.strip() for line in said.getvalue().splitlines() if line.startswith("EP Error")), "")
@@ -378,7 +378,7 @@ class OnnxRuntimeBackend:
         try:
             self._session.run_with_iobinding(binding)
         except Exception as exc:  # noqa: BLE001 - onnxruntime's failures are its own Exception classes
-            raise BackendError(f"ONNX Runtime failed mid-evaluation: {_first_line(exc)}") from None
+            raise BackendError(f"ONNX Runtime failed mid-evaluation: {first_line(exc)}") from None
         return logits
 
     def _batchable(self, spans: Sequence[Span]) -> bool:
@@ -415,7 +415,7 @@ class OnnxRuntimeBackend:
         try:
             self._session.run_with_iobinding(binding)
         except Exception as exc:  # noqa: BLE001 - onnxruntime's failures are its own Exception classes
-            raise BackendError(f"ONNX Runtime failed mid-evaluation: {_first_line(exc)}") from None
+            raise BackendError(f"ONNX Runtime failed mid-evaluation: {first_line(exc)}") from None
         return [rows[i : i + 1] if span.all_logits else rows[i] for i, span in enumerate(spans)]
 
     def _bind_together(self, first: int, last: int) -> ort.IOBinding:
@@ -484,7 +484,3 @@ class OnnxRuntimeBackend:
 def _four_bit(info: ModelInfo) -> bool:
     """Whether ``info`` has matrices of 4-bit codes, the products whose activations can be float or int8."""
     return any(t.type in FOUR_BIT_TYPES and len(t.shape) > 1 for t in info.tensors)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -34,7 +34,7 @@ from gguf import GGML_QUANT_SIZES, MODEL_TENSOR
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
-from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError
+from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError, first_line
 from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.gguf_file import TensorInfo
 from edgeinfer.models.info import ModelInfo
@@ -219,8 +219,15 @@ class OpenCLBackend(PooledBackend):
         self._stack = contextlib.ExitStack()
         try:
             self._load(info, options)
-        except BaseException:
+        except BaseException as exc:
             self._stack.close()
+            if isinstance(exc, cl.Error) and getattr(exc, "code", None) in ALLOCATION_FAILURES:
+                raise BackendError(
+                    f"{self.device.name} could not hold {info.path.name} and its cache ({first_line(exc)}): lower "
+                    "--kv-budget or choose a smaller model"
+                ) from None
+            if isinstance(exc, cl.Error):
+                raise BackendError(f"{self.device.name} failed loading {info.path.name}: {first_line(exc)}") from None
             raise
         self._closed = False
 
@@ -392,7 +399,7 @@ class OpenCLBackend(PooledBackend):
         except cl.Error as exc:
             for span in spans:  # a failed evaluation changes nothing
                 self._pool.truncate(span.seq, span.start)
-            raise BackendError(f"the OpenCL device failed mid-evaluation: {_first_line(exc)}") from None
+            raise BackendError(f"the OpenCL device failed mid-evaluation: {first_line(exc)}") from None
         except BaseException:
             for span in spans:
                 self._pool.truncate(span.seq, span.start)
@@ -427,7 +434,7 @@ class OpenCLBackend(PooledBackend):
             self._queue.finish()
         except cl.Error as exc:  # the moved keys may be rotated in some layers and not others: they are gone
             self._pool.truncate(seq, start)
-            raise BackendError(f"the OpenCL device failed re-rotating the kept keys: {_first_line(exc)}") from None
+            raise BackendError(f"the OpenCL device failed re-rotating the kept keys: {first_line(exc)}") from None
 
     def close(self) -> None:
         if self._closed:
@@ -448,7 +455,7 @@ class OpenCLBackend(PooledBackend):
             return program.build(options=defines, cache_dir=self._binaries)
         except cl.RuntimeError as exc:
             errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
-            first = errors[1] if len(errors) > 1 else _first_line(exc)  # errors[0] is pyopencl's own heading
+            first = errors[1] if len(errors) > 1 else first_line(exc)  # errors[0] is pyopencl's own heading
             raise BackendError(f"the OpenCL compiler of {self.device.name} refused {name}: {first.strip()}") from None
 
     def _buffer(self, array: np.ndarray) -> cl.Buffer:
@@ -699,6 +706,13 @@ class OpenCLBackend(PooledBackend):
         return rows
 
 
+# What a device says when a buffer is past its memory, or past the largest one it allocates (a cache's layer, say).
+ALLOCATION_FAILURES = (
+    cl.status_code.MEM_OBJECT_ALLOCATION_FAILURE,
+    cl.status_code.OUT_OF_RESOURCES,
+    cl.status_code.OUT_OF_HOST_MEMORY,
+    cl.status_code.INVALID_BUFFER_SIZE,
+)
 # Groups a compute unit for the small kernels of ops.cl on a CPU device (OpenCLBackend._op): enough for its driver
 # to share them out among the cores as they come free.
 OP_GROUPS_PER_UNIT = 8
@@ -820,7 +834,3 @@ def _binaries_folder() -> str | bool:
     except OSError:
         return False
     return str(folder)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
