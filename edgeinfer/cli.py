@@ -907,12 +907,18 @@ def eval_(
     """Perplexity of MODEL on a text (llama-perplexity's convention), and its divergence from --base."""
     from edgeinfer.engine import Engine
     from edgeinfer.evaluate import evaluate
+    from edgeinfer.models.catalog import resolve_model
+    from edgeinfer.models.info import load_model_info
 
     try:
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError:
         _fail(f"{text_file} is not UTF-8 text; convert it to UTF-8")
+    for path in dict.fromkeys(resolve_model(m) for m in (model, base) if m is not None):
+        context = load_model_info(path).hparams.n_ctx_train  # before loading: --ctx is the cache's budget too
+        if ctx > context:
+            _fail(f"--ctx {ctx} is more than {path.name}'s context of {context} tokens; give at most {context}")
     budget = f"{ctx}tok"
     with Engine(model, backend=backend, kv_budget=budget, batch_size=ctx, threads=threads) as engine:
         if base is None and base_backend is None:

@@ -80,6 +80,7 @@ def test_the_command_compares_two_backends(model_path):
     [
         ([], "Too short.", "the text has 3 tokens, fewer than one chunk of 512", 1),
         (["--ctx", "4"], None, "4 is not in the range x>=16", 2),
+        (["--ctx", "100000"], None, "--ctx 100000 is more than SmolLM2-135M-Instruct.Q4_1.gguf's context of 8192", 1),
         ([], b"\xff\xfe not text", "is not UTF-8 text", 1),
         (["--base", "/nowhere/base.gguf"], None, "model file not found: /nowhere/base.gguf", 1),
     ],
