@@ -75,9 +75,12 @@ class KVBudget:
         fits = int((self.bytes or 0) // bytes_per_token)
         tokens = fits // block * block
         if tokens < block:
+            unit = f"{block} token" + ("s" if block != 1 else "")
+            # A count of tokens written without its unit reads as bytes ("4096" for "4096tok"): say so.
+            typo = f" (a number alone is bytes: {self.bytes} tokens is '{self.bytes}tok')" if fits < 1 else ""
             raise InvalidOptionError(
-                f"KV budget {self} holds {fits} tokens, less than the backend's allocation unit of {block} tokens "
-                f"({format_size(int(block * bytes_per_token))}); raise --kv-budget"
+                f"KV budget {self} holds {fits} tokens, less than the backend's allocation unit of {unit} "
+                f"({format_size(int(block * bytes_per_token))}); raise --kv-budget{typo}"
             )
         return tokens
 

@@ -378,8 +378,11 @@ def test_running_out_of_memory_while_loading_is_one_line(tmp_path):
 
 
 def test_budget_below_one_block_is_a_clear_error(model_path):
-    with pytest.raises(InvalidOptionError, match="allocation unit of 256 tokens"):
+    with pytest.raises(InvalidOptionError, match="allocation unit of 256 tokens") as exc:
         Engine(model_path, kv_budget="1MB", threads=1)
+    assert "a number alone" not in str(exc.value)
+    with pytest.raises(InvalidOptionError, match=r"a number alone is bytes: 4096 tokens is '4096tok'\)$"):
+        Engine(model_path, kv_budget="4096", threads=1)  # tokens meant, bytes written
     with pytest.raises(InvalidOptionError, match="KV type"):
         Engine(model_path, kv_type="q4_0", threads=1)
 
