@@ -452,6 +452,12 @@ def _answer(stream: Stream, *, threads: int, as_json: bool, no_stream: bool, sta
             raise
         result = stream.result
         assert result is not None
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+        elif no_stream:
+            click.echo(result.text)
+        else:
+            click.echo()  # the streamed answer's line ended before the warning: on a terminal they share a screen
         if result.metrics.prompt_cut:
             kept = result.metrics.prompt_tokens
             click.echo(
@@ -459,12 +465,6 @@ def _answer(stream: Stream, *, threads: int, as_json: bool, no_stream: bool, sta
                 f"end, fit the KV budget and were answered (raise --kv-budget to keep all)",
                 err=True,
             )
-        if as_json:
-            click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
-        elif no_stream:
-            click.echo(result.text)
-        else:
-            click.echo()
         if stats:
             local = "" if result.backend == "cloud" else f" ({threads} threads)"  # none ran for a cloud answer
             click.echo(f"{'model':>12}: {result.model} on {result.backend}{local}", err=True)

@@ -346,5 +346,6 @@ def test_a_prompt_cut_to_fit_the_budget_is_a_warning(runner):
     assert result.exit_code == 0, result.output
     warning = next(line for line in result.stderr.splitlines() if line.startswith("warning:"))
     assert "fit the KV budget" in warning and "--kv-budget" in warning
+    assert "\nwarning: the prompt was" in result.output  # on a line of its own after the answer, on one screen
     quiet = runner.invoke(cli, ["run", "Hello", "--kv-budget", "512tok", "--max-tokens", "4", "--threads", "2"])
     assert quiet.exit_code == 0 and "warning" not in quiet.stderr
