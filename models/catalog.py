@@ -137,6 +137,8 @@ def resolve_model(spec: str | os.PathLike[str], *, download: bool = True, progre
         DownloadError: the download failed (no network, offline mode, unknown repo or file,
             gated repo).
     """
+    if not isinstance(spec, (str, os.PathLike)) or "\0" in os.fspath(spec):
+        raise ModelNotFoundError(f"no model {spec!r}: {SPEC_HINT}")
     if not isinstance(spec, str):
         return _local_file(Path(spec))
     if spec.startswith(HF_PREFIX):
@@ -146,11 +148,15 @@ def resolve_model(spec: str | os.PathLike[str], *, download: bool = True, progre
 
     path = Path(spec).expanduser()
     looks_like_path = spec.lower().endswith(".gguf") or any(sep in spec for sep in (os.sep, os.altsep) if sep)
-    if looks_like_path or path.is_file():
+    try:
+        exists, is_file = path.exists(), path.is_file()
+    except OSError:  # a name too long for the file system, say: no such file, and maybe no alias either
+        exists = is_file = False
+    if looks_like_path or is_file:
         return _local_file(path)
 
     entry = CATALOG.get(spec.lower())
-    if entry is None and path.exists():  # a folder given by its bare name: say what it is
+    if entry is None and exists:  # a folder given by its bare name: say what it is
         return _local_file(path)
     if entry is None:
         raise ModelNotFoundError(f"unknown model {spec!r} (known aliases: {', '.join(CATALOG)}; or {SPEC_HINT})")

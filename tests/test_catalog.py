@@ -277,3 +277,11 @@ def test_pull_of_a_local_path_only_checks_it(tmp_path):
     assert pull(str(model)) == model
     with pytest.raises(ModelNotFoundError):
         pull(str(tmp_path / "gone.gguf"))
+
+
+@pytest.mark.parametrize("spec", [None, 0, b"model.gguf", "a\x00b.gguf", "x" * 300, "x" * 300 + ".gguf"])
+def test_a_model_that_is_no_path_or_too_long_a_name_is_one_line(spec):
+    """Not a traceback (TypeError, ValueError for the NUL, OSError for a name past the file system's limit)."""
+    with pytest.raises(ModelNotFoundError) as exc:
+        resolve_model(spec)  # type: ignore[arg-type]
+    assert "\n" not in str(exc.value)
