@@ -368,6 +368,7 @@ class Engine:
         ``max_tokens`` would not fit the KV budget side by side. Setting ``cancel`` stops
         them all after the current token (``finish_reason == "cancelled"``).
         """
+        self._check_open()  # before the arguments: a closed engine is the first thing wrong
         _check_prompt(prompt)
         if not params or not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidOptionError("generate_batch needs a list of one or more SamplingParams")
@@ -476,9 +477,27 @@ class Engine:
         The whole pool is emptied first, so the positions fill the cells a cold run does and the scores
         do not depend on what was cached (llama.cpp rounds by cell placement). It is left empty.
         """
+        self._check_open()
         if not 0 < len(tokens) <= self.capacity:
             raise InvalidOptionError(
                 f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
+            )
+        n_vocab = self.backend.n_vocab
+        bad = (
+            tokens
+            if isinstance(tokens, (str, bytes))
+            else next(
+                (
+                    t
+                    for t in tokens
+                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab
+                ),
+                None,
+            )
+        )
+        if bad is not None:
+            raise InvalidOptionError(
+                f"logits takes token ids from 0 to {n_vocab - 1} (tokenize text first), got {bad!r}"
             )
         with self._exclusive(self._idle):
             self._check_open()

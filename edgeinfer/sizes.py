@@ -8,8 +8,9 @@ import re
 from edgeinfer.errors import InvalidOptionError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
-TOKEN_COUNT = re.compile(r"^\s*(\d+)\s*tok(?:ens)?\s*$", re.IGNORECASE)
+# ASCII digits only: \d takes any script's, and "١٢tok" read as 12 tokens.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE | re.ASCII)
+TOKEN_COUNT = re.compile(r"^\s*(\d+)\s*tok(?:ens)?\s*$", re.IGNORECASE | re.ASCII)
 
 
 def parse_size(value: str | int, name: str = "size", *, or_else: str = "") -> int:

@@ -416,6 +416,17 @@ def test_a_closed_engine_refuses_work(model_path):
     engine.close()  # twice is fine
     with pytest.raises(EdgeInferError, match="closed"):
         engine.generate("Hi")
+    for call in (lambda: engine.generate_batch("Hi", []), lambda: engine.logits("Hi")):  # bad arguments too:
+        with pytest.raises(EdgeInferError, match="closed"):  # the closed engine is said first
+            call()
+
+
+@pytest.mark.parametrize("tokens", ["abc", b"ab", [1.5], [True], [-1], [49152], [0, 1, 10**12]])
+def test_logits_take_token_ids_only(engine, tokens):
+    """Text, floats, booleans and ids past the vocabulary: one line, the same on every backend (a float went through
+    on ONNX Runtime and failed inside OpenCL)."""
+    with pytest.raises(InvalidOptionError, match=r"logits takes token ids from 0 to 49151 \(tokenize text first\)"):
+        engine.logits(tokens)
 
 
 def test_all_logits_rows_match_the_last_row(engine):

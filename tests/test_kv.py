@@ -25,7 +25,7 @@ def test_budget_parsing(text, budget):
     assert KVBudget.parse(text) == budget
 
 
-@pytest.mark.parametrize("bad", ["lots", "64XB", "-5MB", "0tok", "", 2.5])
+@pytest.mark.parametrize("bad", ["lots", "64XB", "-5MB", "0tok", "", 2.5, "١٢tok", "٦٤MB", "12\u2003tok"])
 def test_bad_budgets_are_one_line_errors(bad):
     with pytest.raises(InvalidOptionError) as info:
         KVBudget.parse(bad)
