@@ -171,20 +171,16 @@ class Engine:
             gpu_layers=gpu_layers,
         )
 
-        def bought(cls: type[Backend], kv_type: str) -> int:
-            """The cells the KV budget buys on ``cls`` at ``kv_type``."""
-            return self.kv_budget.capacity(cls.kv_bytes_per_token(self.info, kv_type), cls.kv_block)
-
         def loading(cls: type[Backend]) -> BackendOptions:
             """The options ``cls`` would load the model with: its device by name, its KV type, the budget in its
             cells (no more than the model's context)."""
             options = check_options(cls, requested)
-            wanted = min(bought(cls, options.kv_type), self.info.hparams.n_ctx_train)
+            wanted = min(_cells_bought(self.kv_budget, cls, self.info, options.kv_type), self.info.hparams.n_ctx_train)
             return dataclasses.replace(options, kv_tokens=wanted)
 
         backend_cls = choose_backend(backend, self.info, loading)
         options = loading(backend_cls)
-        asked = bought(backend_cls, options.kv_type)
+        asked = _cells_bought(self.kv_budget, backend_cls, self.info, options.kv_type)
         if asked > options.kv_tokens and self.kv_budget != KVBudget.parse(DEFAULT_KV_BUDGET):
             log.warning(
                 "the KV budget of %s is more than %s's context of %d tokens: the cache holds %d",
@@ -288,10 +284,7 @@ class Engine:
                 f"the draft model {path.name} keeps a recurrent state, which cannot take back its rejected drafts; "
                 "give a transformer of the same family"
             )
-        cells = min(
-            self.kv_budget.capacity(backend_cls.kv_bytes_per_token(info, options.kv_type), backend_cls.kv_block),
-            info.hparams.n_ctx_train,
-        )
+        cells = min(_cells_bought(self.kv_budget, backend_cls, info, options.kv_type), info.hparams.n_ctx_train)
         draft_options = dataclasses.replace(options, kv_tokens=cells)
         check_memory(backend_cls.memory(info, draft_options), force=force)
         backend = backend_cls(info, draft_options)
@@ -483,18 +476,7 @@ class Engine:
                 f"can score 1 to {self.capacity} tokens at once (the KV capacity), got {len(tokens)}"
             )
         n_vocab = self.backend.n_vocab
-        bad = (
-            tokens
-            if isinstance(tokens, (str, bytes))
-            else next(
-                (
-                    t
-                    for t in tokens
-                    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < n_vocab
-                ),
-                None,
-            )
-        )
+        bad = tokens if isinstance(tokens, (str, bytes)) else next((t for t in tokens if not _is_id(t, n_vocab)), None)
         if bad is not None:
             raise InvalidOptionError(
                 f"logits takes token ids from 0 to {n_vocab - 1} (tokenize text first), got {bad!r}"
@@ -1298,6 +1280,16 @@ class _Generation:
             logprobs=self.logprobs,
             entropies=self.entropies,
         )
+
+
+def _cells_bought(budget: KVBudget, cls: type[Backend], info: ModelInfo, kv_type: str) -> int:
+    """The cells ``budget`` buys for ``info`` on ``cls`` at ``kv_type``, before the model's context caps them."""
+    return budget.capacity(cls.kv_bytes_per_token(info, kv_type), cls.kv_block)
+
+
+def _is_id(token: object, n_vocab: int) -> bool:
+    """Whether ``token`` is a token id of a vocabulary of ``n_vocab``: an integer, not a bool, in range."""
+    return isinstance(token, (int, np.integer)) and not isinstance(token, bool) and 0 <= token < n_vocab
 
 
 def _closed_error() -> EdgeInferError:

@@ -221,14 +221,14 @@ class OpenCLBackend(PooledBackend):
             self._load(info, options)
         except BaseException as exc:
             self._stack.close()
-            if isinstance(exc, cl.Error) and getattr(exc, "code", None) in ALLOCATION_FAILURES:
+            if not isinstance(exc, cl.Error):
+                raise
+            if exc.code in ALLOCATION_FAILURES:
                 raise BackendError(
                     f"{self.device.name} could not hold {info.path.name} and its cache ({first_line(exc)}): lower "
                     "--kv-budget or choose a smaller model"
                 ) from None
-            if isinstance(exc, cl.Error):
-                raise BackendError(f"{self.device.name} failed loading {info.path.name}: {first_line(exc)}") from None
-            raise
+            raise BackendError(f"{self.device.name} failed loading {info.path.name}: {first_line(exc)}") from None
         self._closed = False
 
     def _load(self, info: ModelInfo, options: BackendOptions) -> None:

@@ -91,7 +91,7 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
     devices = opencl_devices()
     if not devices:
         raise BackendUnavailableError(f"no OpenCL device here; {INSTALL_HINT}")
-    named = f"OpenCL device {wanted!r}" if wanted else f"OpenCL device {os.environ.get(ENV)!r} ({ENV})"
+    from_environment = not wanted
     wanted = wanted or os.environ.get(ENV) or None
     if wanted is None:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
@@ -104,6 +104,7 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
     if index is None:
         names = "; ".join(f"{info.index} {info.name}" for info, _ in devices)
         raise InvalidOptionError(
-            f"no {named} here; choose one by P:D, its place in this list from 0, or a part of its description: {names}"
+            f"no OpenCL device {wanted!r}{f' ({ENV})' if from_environment else ''} here; choose one by P:D, its place"
+            f" in this list from 0, or a part of its description: {names}"
         )
     return by_index[index]
