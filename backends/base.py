@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -61,8 +61,7 @@ class Device:
         return self.free_bytes is not None
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Tokens of sequence ``seq`` at positions ``start, start + 1, ...``.
 
     ``start`` must equal the number of positions the sequence holds. With ``all_logits``
@@ -70,6 +69,14 @@ class Span:
     ``all_logits``) the caller wants only the last row's greedy token: a backend may return that
     instead of the row (``ARGMAX_NOT_FINITE`` where the winner is a NaN or an infinity), which
     spares a device the row's trip back.
+
+    With ``follow`` (an ``argmax`` span, to a backend that ``follows``) the backend goes on greedily: it evaluates
+    that argmax token and takes the argmax of its row, and so on, up to ``follow`` times (fewer where it likes, e.g.
+    where the sequence's cells run out, or after a winner that is not finite), and never past a token in ``ends``
+    (the model's end-of-generation tokens). It returns a 1-d int64 array: the argmax of the span's last row, then of
+    each row it went on to; the sequence holds the span's tokens and every returned token but the last. A tiny
+    model's step is a few hundred microseconds, and the engine's own Python around each call a sizeable share of
+    it: following spreads that over several tokens.
     """
 
     seq: int
@@ -77,6 +84,8 @@ class Span:
     tokens: Sequence[int]
     all_logits: bool = False
     argmax: bool = False
+    follow: int = 0
+    ends: frozenset[int] = frozenset()
 
 
 # What a backend returns for an ``argmax`` span whose winning logit is not finite: NaN wins, as in numpy's argmax.
@@ -99,6 +108,9 @@ class Backend(Protocol):
     """Whether it runs on llama.cpp, whose tokenizer then comes with it. Where it does not, the engine tokenizes
     with Hugging Face's ``tokenizers`` where that is quick, rather than load llama.cpp (and the GPU drivers it
     opens) only to tokenize."""
+    follows: ClassVar[bool]
+    """Whether ``eval`` goes on greedily after an ``argmax`` span that asks it to (``Span.follow``); the engine asks
+    only a backend that does."""
 
     def __init__(self, info: ModelInfo, options: BackendOptions) -> None:
         """Load the model; raise an ``EdgeInferError`` naming the problem if it cannot (a model ``supports``
@@ -157,8 +169,8 @@ class Backend(Protocol):
 
         One float32 array per span: its last token's ``(n_vocab,)`` logits, or
         ``(len(tokens), n_vocab)`` with ``all_logits``; for an ``argmax`` span, that row or a 0-d
-        int64 array holding its argmax (``Span``). An array may be a view of the
-        backend's own buffer, valid until the next call; copy it to keep it. Two spans
+        int64 array holding its argmax, and with ``follow`` the argmax tokens (``Span``). An array may be a view of
+        the backend's own buffer, valid until the next call; copy it to keep it. Two spans
         may not name the same sequence. A span may hold more tokens than ``batch_size``: the
         backend splits it. Every refusal (an unknown or repeated sequence, a start that is not
         the sequence's length, a full cache) is a one-line ``BackendError``, and an evaluation

@@ -358,6 +358,7 @@ class LlamaCppBackend:
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "q8_0", "f32")
     shares_cells: ClassVar[bool] = True
     loads_llamacpp: ClassVar[bool] = True
+    follows: ClassVar[bool] = False
     # Each KV type's ggml type, and whether flash attention reads it: always for a quantized V cache, which works
     # only with it; for f16 wherever the device runs it (llama.cpp's own default, AUTO); never for f32, a cache
     # asked for its precision, which flash attention's Vulkan kernels give up (a shifted cache's KLD to a cold one

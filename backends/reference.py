@@ -32,6 +32,7 @@ class ReferenceBackend(PooledBackend):
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
     shares_cells: ClassVar[bool] = True
     loads_llamacpp: ClassVar[bool] = False
+    follows: ClassVar[bool] = False
     _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
 
     @classmethod

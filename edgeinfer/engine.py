@@ -67,6 +67,11 @@ Prompt = str | Sequence[Message] | Continuation
 # generate_batch (the router's four samples). With llama.cpp's unified cache they cost no memory
 # beyond the one KV budget.
 DEFAULT_SEQUENCES = 4
+# A lone greedy answer's backend may go on drawing tokens itself for up to this long a step (``Span.follow``): the
+# engine's own Python around a step, about 45 us, then counts once per several tokens of a tiny model (tiny-qwen2
+# on ONNX Runtime: a 250 us step; docs/BENCHMARKS.md), while its text still arrives at least every 4 ms, and a call
+# that comes meanwhile waits no longer than that for its turn.
+FOLLOW_S = 0.004
 
 
 class Engine:
@@ -249,6 +254,7 @@ class Engine:
         self._jobs: list[_Job] = []  # admitted: evaluating their prompt, decoding, or between waves
         self._decode_steps = 0
         self._decoded_tokens = 0
+        self._token_s = math.inf  # what evaluating one token took in the last step of one answer without a draft
         self._async_streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()  # started, for _started_async
         self._async_lock = threading.Lock()
         self._closed = False
@@ -557,8 +563,8 @@ class Engine:
 
     @property
     def decode_steps(self) -> tuple[int, int]:
-        """Decode steps run so far, and how many answers they evaluated a drawn token of (each with the tokens
-        drafted to follow it, if any): their ratio is the mean batch."""
+        """Decode steps run so far, and how many answers they evaluated a drawn token of (each with the tokens drafted
+        after it, or drawn after it by the backend, if any): their ratio is the mean batch."""
         return self._decode_steps, self._decoded_tokens
 
     def close(self) -> None:
@@ -880,8 +886,9 @@ class Engine:
             stepping = [g for g in stepping if g.finish_reason is None and not g.job.done]
         if stepping:
             drafts = self._drafts(stepping)
+            follow, ends = self._follow(stepping, drafts)
             spans = [
-                Span(g.seq, len(g.state.tokens), (g.token, *d), bool(d), argmax=g.params.argmax_only and not d)
+                Span(g.seq, len(g.state.tokens), (g.token, *d), bool(d), g.argmax and not d, follow, ends)
                 for g, d in zip(stepping, drafts, strict=True)
             ]
             t = perf_counter()
@@ -894,12 +901,18 @@ class Engine:
                     return
                 raise
             elapsed = perf_counter() - t
-            if len(spans) == 1 and self.speculative is not Speculation.OFF:  # one answer alone times its draft's cost
-                self._draft_cost.observe(len(spans[0].tokens), elapsed)
+            if len(spans) == 1 and not drafts[0]:
+                self._token_s = elapsed / (len(rows[0]) if follow else 1)
+            if len(spans) == 1 and self.speculative is not Speculation.OFF and not follow:
+                self._draft_cost.observe(len(spans[0].tokens), elapsed)  # one answer alone times its draft's cost
             self._decode_steps += 1
             self._decoded_tokens += len(spans)
             for span, generation, row, draft in zip(spans, stepping, rows, drafts, strict=True):
-                self._cache.append(span.seq, span.tokens)
+                evaluated, generation.followed = span.tokens, bool(follow)
+                if follow:  # the backend's own tokens: every one it returned but the last is evaluated, a draft kept
+                    draft = tuple(row[:-1].tolist())
+                    evaluated, row = (*span.tokens, *draft), row if draft else row[0]
+                self._cache.append(span.seq, evaluated)
                 generation.logits, generation.token, generation.draft = row, None, draft
                 generation.metrics.decode_s += elapsed
         tokenizer, ended = self.tokenizer, []
@@ -952,6 +965,18 @@ class Engine:
         if extra and not self._cache.has_room(len(stepping) + extra):
             return [()] * len(stepping)
         return drafts
+
+    def _follow(self, stepping: list[_Generation], drafts: list[tuple[int, ...]]) -> tuple[int, frozenset[int]]:
+        """How many tokens the backend may draw and evaluate itself after a lone greedy answer's drawn one, and
+        the tokens it stops after (``Span.follow``): as many as FOLLOW_S of its steps hold, within the answer's
+        ``max_tokens`` and the free cells."""
+        if not self.backend.follows or len(stepping) != 1 or drafts[0] or not stepping[0].argmax:
+            return 0, frozenset()
+        params = stepping[0].params
+        n = min(int(FOLLOW_S / self._token_s), params.max_tokens - len(stepping[0].output) - 1)
+        if n <= 0 or not self._cache.has_room(1 + n):
+            return 0, frozenset()
+        return n, frozenset() if params.ignore_eos else self.tokenizer.end_ids
 
     def _make_room(self, stepping: list[_Generation]) -> bool:
         """Free a cell for each stepping answer's next token: idle sequences' first; then, for an answer alone in
@@ -1174,9 +1199,11 @@ class _Generation:
         self.token: int | None = None  # drawn, not yet evaluated
         self.drafts: Drafter | None = None  # drafts its next tokens, where the engine drafts
         self.draft: tuple[int, ...] = ()  # drafted tokens evaluated after ``token`` in the last step
+        self.followed = False  # the backend drew that draft itself, greedily (``Span.follow``): each one is kept
         self.kept = 0  # positions its sequence keeps once the last step's draft is verified
         self.reserve = 0  # cells kept free for its tokens while others run
         self.sampler = Sampler(params)
+        self.argmax = params.argmax_only
         self.text = TextStream(params.stop)
         self.output: list[int] = []
         self.logprobs: list[float] = []
@@ -1213,9 +1240,10 @@ class _Generation:
                 break
         self.chunk = "".join(chunks)
         self.kept = base + accepted
-        self.metrics.drafted_tokens += len(draft)
-        self.metrics.accepted_tokens += accepted
-        self.drafts.verified(len(draft), accepted)  # type: ignore[union-attr]  # a draft came from it
+        if not self.followed:
+            self.metrics.drafted_tokens += len(draft)
+            self.metrics.accepted_tokens += accepted
+            self.drafts.verified(len(draft), accepted)  # type: ignore[union-attr]  # a draft came from it
         return token
 
     def sample(self, tokenizer: Tokenizer, start: float, history: int) -> int:

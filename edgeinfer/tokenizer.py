@@ -185,6 +185,12 @@ class Tokenizer:
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
+    @cached_property
+    def end_ids(self) -> frozenset[int]:
+        """Every token that ends a generation (``is_end_of_generation``)."""
+        with self._open():
+            return self._opened.end_ids
+
     def is_end_of_generation(self, token: int) -> bool:
         # Asked once per generated token: remembered per id, as pieces are, so the lock and the
         # native call are paid once per distinct token.
@@ -315,6 +321,10 @@ class _LlamaCppVocabulary:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return frozenset(token for token in range(self.n_vocab) if self.is_end_of_generation(token))
 
     def meta(self, key: str) -> str | None:
         """The GGUF metadata value under ``key`` as text, None if the file has no such key."""

@@ -658,9 +658,14 @@ def test_nan_that_appears_while_decoding_is_a_backend_error(cls, tmp_path):
         assert np.isfinite(row).all() and row.argmax() == first
         (row,) = logits(backend, Span(0, len(tokens), [first]))
         assert not np.isfinite(row).all()
+        if cls.follows:  # going on greedily, it stops at the NaN's row
+            backend.truncate(0, 0)
+            (followed,) = backend.eval([Span(0, 0, tokens, argmax=True, follow=3)])
+            assert followed.tolist() == [first, ARGMAX_NOT_FINITE]
     with Engine(path, backend=cls.name, kv_budget="256tok", threads=2) as engine:
-        # Greedy, and the sampling chain (top_k=1 draws the same token, through the sampler's own path).
-        for options in (dict(temperature=0), dict(temperature=0.8, top_k=1, seed=0)):
+        # Greedy, and the sampling chain (top_k=1 draws the same token, through the sampler's own path); greedy
+        # again once the engine has timed its steps, which a backend that follows then follows.
+        for options in (dict(temperature=0), dict(temperature=0.8, top_k=1, seed=0), dict(temperature=0)):
             with pytest.raises(BackendError) as exc:
                 engine.generate(prompt, max_tokens=4, ignore_eos=True, **options)
             assert "NaN" in one_line(exc) or "infinite" in str(exc.value)

@@ -21,6 +21,7 @@ from gguf import GGUFReader
 from tiny_model import write_tiny_gguf
 
 from edgeinfer import BackendError, BackendUnavailableError, Engine, InvalidOptionError
+from edgeinfer import engine as engine_module
 from edgeinfer.backends import backend_status
 from edgeinfer.backends.base import BackendOptions, Span, check_options
 from edgeinfer.backends.onnx import graph
@@ -30,6 +31,7 @@ from edgeinfer.backends.onnx.graph_cache import cached_graph, chosen_accuracy_le
 from edgeinfer.backends.onnx.spec import BUILDER_VERSION, GraphSpec
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.info import ModelInfo, load_model_info
+from edgeinfer.tokenizer import Tokenizer
 
 from support import reference_copies
 
@@ -350,6 +352,89 @@ def test_one_token_steps_and_longer_spans_take_turns_on_a_sequence(tiny):
             for seq in (0, 1):  # the other sequence's turn between: its binding is its own
                 (row,) = backend.eval([Span(seq, start, TOKENS[start:end])])
                 assert kld(truth[end - 1 : end], row[None]) < 1e-6, f"sequence {seq}, tokens {start} to {end}"
+
+
+def greedy_one_by_one(backend: OnnxRuntimeBackend, prompt: list[int], n: int) -> list[int]:
+    """The argmax of the prompt's last row, then of each row after evaluating the token before: n tokens."""
+    backend.truncate(0, 0)
+    (row,) = backend.eval([Span(0, 0, prompt)])
+    tokens = [int(np.argmax(row))]
+    while len(tokens) < n:
+        (row,) = backend.eval([Span(0, len(prompt) + len(tokens) - 1, tokens[-1:])])
+        tokens.append(int(np.argmax(row)))
+    backend.truncate(0, 0)
+    return tokens
+
+
+def test_a_followed_span_returns_the_greedy_tokens_and_holds_all_but_the_last(model_path):
+    """``Span.follow``: the backend goes on greedily itself. Its tokens are the ones a token a step gives, bit for
+    bit (the same one-token runs); it stops after a token in ``ends``, and where the sequence's cells run out."""
+    with closing(Tokenizer(model_path)) as tokenizer:
+        prompt = tokenizer.encode(TEXT)[:8]
+    with closing(OnnxRuntimeBackend(load_model_info(model_path), options(kv_type="f32", kv_tokens=24))) as backend:
+        expected = greedy_one_by_one(backend, prompt, 17)
+        (followed,) = backend.eval([Span(0, 0, prompt, argmax=True, follow=5)])
+        assert followed.dtype == np.int64 and followed.tolist() == expected[:6]
+        # It holds the prompt and the five tokens it evaluated: the next step starts at 13, with the sixth.
+        (row,) = backend.eval([Span(0, 13, expected[5:6])])
+        assert int(np.argmax(row)) == expected[6]
+        with pytest.raises(BackendError):
+            backend.eval([Span(0, 13, expected[5:6])])
+        # An end token: the first from the ninth on that the tokens before it since the seventh do not hold.
+        end = next(i for i in range(8, 17) if expected[i] not in expected[7:i])
+        span = Span(0, 14, expected[6:7], argmax=True, follow=9, ends=frozenset(expected[end : end + 1]))
+        (followed,) = backend.eval([span])
+        assert followed.tolist() == expected[7 : end + 1]  # the end token is returned, not evaluated
+        (followed,) = backend.eval([Span(0, 14 + end - 6, expected[end : end + 1], argmax=True, follow=50)])
+        assert followed.tolist() == expected[end + 1 : 17]  # up to the 24th cell, the last
+        with pytest.raises(BackendError):
+            backend.eval([Span(0, 24, [1])])  # full
+
+
+def test_a_failure_while_following_changes_nothing(tiny):
+    with closing(OnnxRuntimeBackend(tiny, options(kv_type="f32"))) as backend:
+        expected = greedy_one_by_one(backend, TOKENS[:8], 6)
+        backend.eval([Span(0, 0, TOKENS[:8])])
+        session, runs = backend._session, []
+
+        def third_run_fails(binding: object, *args: object) -> None:
+            runs.append(binding)
+            return session.run_with_iobinding(session.io_binding() if len(runs) == 3 else binding, *args)
+
+        backend._session = type("FailingSession", (), {"run_with_iobinding": staticmethod(third_run_fails),
+                                                       "io_binding": session.io_binding})()  # fmt: skip
+        with pytest.raises(BackendError):
+            backend.eval([Span(0, 8, expected[:1], argmax=True, follow=4)])
+        backend._session = session
+        (followed,) = backend.eval([Span(0, 8, expected[:1], argmax=True, follow=4)])
+        assert followed.tolist() == expected[1:6]
+
+
+def test_a_lone_greedy_answer_is_followed_and_is_the_answer_a_token_a_step_gives(tiny, monkeypatch):
+    """Once the engine has timed a step, a lone greedy answer's backend draws several tokens a call: the same
+    answer, the same cache, told the model's end tokens unless the answer ignores them; a stop string mid-step
+    gives back the cells of the tokens after it."""
+    answers = {}
+    for follow_s in (0.0, engine_module.FOLLOW_S):
+        monkeypatch.setattr(engine_module, "FOLLOW_S", follow_s)
+        with Engine(tiny.path, backend="onnxruntime", kv_budget="128tok", threads=2, speculative="off") as engine:
+            spans: list[Span] = []
+            engine.backend.eval = lambda batch, real=engine.backend.eval, seen=spans: seen.extend(batch) or real(batch)
+            engine.generate("the cat", max_tokens=4, temperature=0)  # the step is timed
+            spans.clear()
+            plain = engine.generate("the cat", max_tokens=40, temperature=0, ignore_eos=True)
+            calls, followed = len(spans), [span for span in spans if span.follow]
+            stop = plain.text[len(plain.text) // 2 :][:3]
+            engine.reset()
+            spans.clear()
+            stopped = engine.generate("the cat", max_tokens=40, temperature=0, stop=[stop])
+            answers[follow_s] = (plain.tokens, plain.text, stopped.tokens, stopped.text, engine.kv_used)
+        if follow_s:
+            assert calls < len(plain.tokens) / 2 and all(span.ends == frozenset() for span in followed)
+            ends = {span.ends for span in spans if span.follow}
+            assert ends == {engine.tokenizer.end_ids} and engine.tokenizer.end_ids
+        assert plain.metrics.drafted_tokens == 0 and stopped.finish_reason == "stop"
+    assert answers[0.0] == answers[engine_module.FOLLOW_S]
 
 
 def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(tmp_path):

@@ -63,6 +63,8 @@ def test_every_token_renders_alike_and_ends_alike(pair):
         assert rebuilt.piece(token) == llama.piece(token), token
         assert rebuilt.token_text(token) == llama.token_text(token), token
         assert rebuilt.is_end_of_generation(token) == llama.is_end_of_generation(token), token
+    ends = {token for token in range(llama.n_vocab) if llama.is_end_of_generation(token)}
+    assert rebuilt.end_ids == llama.end_ids == ends and llama.eos_id in ends
 
 
 @pytest.mark.parametrize("name", TEXTS)

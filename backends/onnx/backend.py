@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from edgeinfer.pages import lazy_zeros
 from edgeinfer.system import BASE_OVERHEAD_BYTES, MemoryNeed
 
 from ..base import (
+    ARGMAX_NOT_FINITE,
     CPU,
     BackendOptions,
     Device,
@@ -122,6 +124,7 @@ class OnnxRuntimeBackend:
     kv_types: ClassVar[tuple[str, ...]] = ("f32", "f16")
     shares_cells: ClassVar[bool] = False
     loads_llamacpp: ClassVar[bool] = False
+    follows: ClassVar[bool] = True
     _KV_DTYPES: ClassVar[dict[str, type]] = {"f16": np.float16, "f32": np.float32}
 
     @classmethod
@@ -196,7 +199,7 @@ class OnnxRuntimeBackend:
         # Float activations for 4-bit codes take MLAS's dequantizing path for more than one row: two rows took
         # 1.6x to 3.6x as long as one (docs/BENCHMARKS.md), so such a graph runs each sequence on its own.
         self._batches = not (_four_bit(info) and level == FLOAT)
-        self._last_logits = np.zeros((options.n_seq, 1, hp.n_vocab), np.float32)  # each sequence's last row
+        self._last_logits = [np.zeros((1, hp.n_vocab), np.float32) for _ in range(options.n_seq)]  # last rows
         self._rows = np.zeros((options.n_seq, hp.n_vocab), np.float32)  # a batched step's rows
         self._closed = False
 
@@ -266,7 +269,8 @@ class OnnxRuntimeBackend:
                 tokens, all_logits = span.tokens, span.all_logits
                 if len(tokens) <= chunk:  # a decode step, or a short draft: one run
                     logits = self._run(span.seq, tokens, all_logits)
-                    out.append(logits if all_logits else logits[-1])
+                    out.append(self._follow(span.seq, logits[-1], span.follow, span.ends) if span.follow else
+                               logits if all_logits else logits[-1])  # fmt: skip
                     continue
                 rows = [self._run(span.seq, tokens[i : i + chunk], all_logits) for i in range(0, len(tokens), chunk)]
                 out.append(np.concatenate(rows) if all_logits else rows[-1][-1])
@@ -380,6 +384,23 @@ class OnnxRuntimeBackend:
         except Exception as exc:  # noqa: BLE001 - onnxruntime's failures are its own Exception classes
             raise BackendError(f"ONNX Runtime failed mid-evaluation: {first_line(exc)}") from None
         return logits
+
+    def _follow(self, seq: int, row: np.ndarray, steps: int, ends: frozenset[int]) -> np.ndarray:
+        """``row``'s argmax, then each next row's after evaluating the token before, ``steps`` more at most: fewer
+        where ``seq``'s region is full, a winner is not finite or a token is in ``ends`` (``Span.follow``)."""
+        region = self._regions[seq]
+        steps = min(steps, region.size - region.length)
+        tokens = []
+        while True:
+            token = int(row.argmax())
+            if not math.isfinite(row[token]):
+                tokens.append(ARGMAX_NOT_FINITE)
+                break
+            tokens.append(token)
+            if len(tokens) > steps or token in ends:
+                break
+            self._run(seq, (token,), False)  # into ``row``: the sequence's own last row
+        return np.array(tokens, np.int64)
 
     def _batchable(self, spans: Sequence[Span]) -> bool:
         """Whether ``spans`` can run as one batch: the graph's products gain from it; a token each, for several

@@ -148,6 +148,7 @@ class OpenCLBackend(PooledBackend):
     kv_types: ClassVar[tuple[str, ...]] = ("f16", "f32")
     shares_cells: ClassVar[bool] = True
     loads_llamacpp: ClassVar[bool] = False
+    follows: ClassVar[bool] = False
 
     @classmethod
     def supports(cls, info: ModelInfo) -> str | None:
