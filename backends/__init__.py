@@ -7,7 +7,7 @@ import importlib
 import logging
 from collections.abc import Callable
 
-from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError, InvalidOptionError
+from edgeinfer.errors import NATIVE_LOAD_ERRORS, BackendUnavailableError, InvalidOptionError, NoSuchDeviceError
 from edgeinfer.kv import MIN_KV_TOKENS
 from edgeinfer.models.info import ModelInfo
 
@@ -45,9 +45,11 @@ def choose_backend(
 ) -> type[Backend]:
     """The backend to run ``info`` on: ``name``, or for ``"auto"`` the first that loads here and supports it,
     passing over a GPU emulated on the CPU or one the model does not fit (``_passed_over``) with the options
-    ``options(cls)`` would load it with (by default the smallest KV cache).
+    ``options(cls)`` would load it with (by default the smallest KV cache), and one without the device they ask
+    for: ``--opencl-device pocl`` chooses the OpenCL backend.
 
-    Raises BackendUnavailableError naming each backend's reason when none can.
+    Raises BackendUnavailableError naming each backend's reason when none can, and NoSuchDeviceError naming each
+    one's devices where none has the device asked for.
     """
     if name != "auto":
         cls = backend_class(name)
@@ -59,19 +61,36 @@ def choose_backend(
             raise BackendUnavailableError(f"the {name} backend cannot run this model: {reason}{hint}")
         return cls
     reasons, skipped = [], []  # why each backend was not taken; of those that load here, for the note
+    missing, passed_over = [], 0  # of those that run the model: without the device asked for; passed over else
     for candidate in BACKENDS:
         try:
             cls = backend_class(candidate)
         except BackendUnavailableError as exc:  # cannot load here: `edgeinfer info` says why, the note does not
             reasons.append(f"{candidate}: {exc}")
             continue
-        reason = cls.supports(info) or _passed_over(cls, info, options)
+        reason = cls.supports(info)
+        if reason is None:
+            try:
+                reason = _passed_over(cls, info, options)
+            except NoSuchDeviceError as exc:
+                missing.append(exc)
+                reason = str(exc)
+            passed_over += reason is not None
         if reason is None:
             if skipped:
                 log.info("auto chose %s for %s; skipped %s", candidate, info.path.name, "; ".join(skipped))
             return cls
         reasons.append(f"{candidate}: {reason}")
         skipped.append(f"{candidate}: {reason}")
+    if missing and len(missing) == passed_over:  # the device is what to change
+        devices = "; ".join(f"{exc.backend}'s are {', '.join(exc.devices)}" for exc in missing)
+        raise NoSuchDeviceError(
+            f"no backend that runs {info.path.name} here has a device {missing[0].wanted!r}: {devices} (a part of "
+            "a name or description chooses one too; `edgeinfer info` describes them)",
+            missing[0].wanted,
+            "auto",
+            [name for exc in missing for name in exc.devices],
+        )
     raise BackendUnavailableError(f"no backend can run {info.path.name} here (" + "; ".join(reasons) + ")")
 
 
@@ -87,7 +106,7 @@ def _passed_over(
         fallback = BackendOptions(kv_tokens=MIN_KV_TOKENS, kv_type=None)  # its default device and KV type
         loading = options(cls) if options is not None else check_options(cls, fallback)
     except InvalidOptionError as exc:
-        if not default.has_own_memory:
+        if isinstance(exc, NoSuchDeviceError) or not default.has_own_memory:
             raise
         return str(exc)
     if loading.device == CPU and default.emulated:

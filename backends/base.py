@@ -19,7 +19,7 @@ from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgeinfer.errors import BackendError, InvalidOptionError
+from edgeinfer.errors import BackendError, InvalidOptionError, NoSuchDeviceError
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.system import MemoryNeed
 
@@ -239,9 +239,12 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
         found = device_by_part(wanted, described, f"{backend.name} devices")
         options = dataclasses.replace(options, device=found or wanted)
     if options.device not in names:
-        raise InvalidOptionError(
+        raise NoSuchDeviceError(
             f"the {backend.name} backend has no device {options.device!r} here; choose one of {', '.join(names)}, "
-            "or a part of its name or description (`edgeinfer info` lists every backend's devices)"
+            "or a part of its name or description (`edgeinfer info` lists every backend's devices)",
+            options.device,
+            backend.name,
+            names,
         )
     gpu = options.device if options.device != CPU else None
     if gpu is None and devices[0].has_own_memory:  # the default device is a GPU

@@ -50,6 +50,14 @@ class InvalidOptionError(EdgeInferError, ValueError):
     """An option is out of range or malformed (a sampling parameter, a KV budget, a thread count)."""
 
 
+class NoSuchDeviceError(InvalidOptionError):
+    """A backend has no device ``wanted``: ``backend``, and the names of its ``devices``."""
+
+    def __init__(self, message: str, wanted: str, backend: str, devices: list[str]) -> None:
+        super().__init__(message)
+        self.wanted, self.backend, self.devices = wanted, backend, devices
+
+
 class BackendError(EdgeInferError):
     """A backend failed while loading or evaluating (a native error code, out of memory)."""
 

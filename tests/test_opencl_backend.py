@@ -102,6 +102,26 @@ def test_a_device_named_wins_over_an_environment_that_names_none(tmp_path, monke
     assert "no OpenCL device 'no such device'" in done.stdout and first.index in done.stdout
 
 
+def test_auto_chooses_the_backend_with_the_device_asked_for(tmp_path, model_path):
+    """A device only the OpenCL backend has (--opencl-device pocl) makes auto choose it; one no backend has is one
+    line naming each backend's devices."""
+    first, _ = opencl_devices()[0]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with Engine(path, device=first.name[3:12], kv_budget="16tok", threads=2) as engine:
+        assert engine.backend.name == "opencl" and engine.backend.device == first  # type: ignore[attr-defined]
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", "The", "--opencl-device", first.index, "--model", str(model_path),
+         "--max-tokens", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and json.loads(done.stdout)["backend"] == "opencl", done.stderr
+    with pytest.raises(InvalidOptionError) as exc:
+        Engine(path, device="no such device", kv_budget="16tok", threads=2)
+    message = str(exc.value)
+    assert "\n" not in message and "here has a device 'no such device': " in message
+    assert f"opencl's are cpu, {first.index}" in message and "reference's are cpu" in message
+
+
 def test_the_engine_and_the_cli_take_a_device_by_a_part_of_its_name_platform_or_version(tmp_path, model_path):
     first, _ = opencl_devices()[0]
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
