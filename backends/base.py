@@ -301,6 +301,8 @@ def check_spans(spans: Sequence[Span], lengths: Sequence[int], n_vocab: int) -> 
         check_sequence(span.seq, lengths)
         if not span.tokens:
             raise BackendError("eval needs at least one token per sequence")
+        if span.follow and (span.follow < 0 or not span.argmax or span.all_logits):
+            raise BackendError(f"follow={span.follow}: only an argmax span, without all_logits, goes on greedily")
         if min(span.tokens) < 0 or max(span.tokens) >= n_vocab:
             bad = next(token for token in span.tokens if not 0 <= token < n_vocab)
             raise BackendError(f"token {bad} is not in the model's vocabulary (ids 0 to {n_vocab - 1})")

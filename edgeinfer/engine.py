@@ -897,24 +897,11 @@ class Engine:
             except BaseException as exc:
                 for job in {g.job: None for g in stepping}:
                     self._fail_job(job, exc)
-                if isinstance(exc, Exception):
-                    return
-                raise
-            elapsed = perf_counter() - t
-            if len(spans) == 1 and not drafts[0]:
-                self._token_s = elapsed / (len(rows[0]) if follow else 1)
-            if len(spans) == 1 and self.speculative is not Speculation.OFF and not follow:
-                self._draft_cost.observe(len(spans[0].tokens), elapsed)  # one answer alone times its draft's cost
-            self._decode_steps += 1
-            self._decoded_tokens += len(spans)
-            for span, generation, row, draft in zip(spans, stepping, rows, drafts, strict=True):
-                evaluated, generation.followed = span.tokens, bool(follow)
-                if follow:  # the backend's own tokens: every one it returned but the last is evaluated, a draft kept
-                    draft = tuple(row[:-1].tolist())
-                    evaluated, row = (*span.tokens, *draft), row if draft else row[0]
-                self._cache.append(span.seq, evaluated)
-                generation.logits, generation.token, generation.draft = row, None, draft
-                generation.metrics.decode_s += elapsed
+                if not isinstance(exc, Exception):
+                    raise
+                # The answers _make_room ended meanwhile still end below: their calls would wait for ever.
+            else:
+                self._evaluated(spans, stepping, rows, drafts, perf_counter() - t)
         tokenizer, ended = self.tokenizer, []
         for generation in decoding:
             job = generation.job
@@ -947,9 +934,36 @@ class Engine:
             if not job.done and job.wave and all(g.finish_reason is not None for g in job.wave):
                 self._end_wave(job)
 
+    def _evaluated(
+        self,
+        spans: list[Span],
+        stepping: list[_Generation],
+        rows: list[np.ndarray],
+        drafts: list[tuple[int, ...]],
+        elapsed: float,
+    ) -> None:
+        """Keep what a decode step evaluated: each answer's tokens in the cache, and the rows to draw from."""
+        follow = spans[0].follow  # only ever for one answer alone
+        if len(spans) == 1 and not drafts[0]:
+            self._token_s = elapsed / (len(rows[0]) if follow else 1)
+        if len(spans) == 1 and self.speculative is not Speculation.OFF:  # one answer alone times its draft's cost
+            # against what a token costs undrafted: a followed step's tokens count as one-token steps
+            self._draft_cost.observe(len(spans[0].tokens), self._token_s if follow else elapsed)
+        self._decode_steps += 1
+        self._decoded_tokens += len(spans)
+        for span, generation, row, draft in zip(spans, stepping, rows, drafts, strict=True):
+            evaluated, generation.followed = span.tokens, bool(follow)
+            if follow:  # the backend's own tokens: every one it returned but the last is evaluated, a draft kept
+                draft = tuple(row[:-1].tolist())
+                evaluated, row = (*span.tokens, *draft), row if draft else row[0]
+            self._cache.append(span.seq, evaluated)
+            generation.logits, generation.token, generation.draft = row, None, draft
+            generation.metrics.decode_s += elapsed
+
     def _drafts(self, stepping: list[_Generation]) -> list[tuple[int, ...]]:
         """The tokens each stepping answer drafts to follow the one it drew: as many as pay for themselves
-        (its ``Drafter``), within its ``max_tokens``; none at all where the pool has no cells free for them."""
+        (its ``Drafter``), within its ``max_tokens``; none at all where the pool has no cells free for them, or only
+        cells reserved for other answers."""
         drafts: list[tuple[int, ...]] = []
         # A draft model's tokens cost its steps too, besides their share of the verifying step.
         cost = self._draft_cost.value + self._draft_share
@@ -962,19 +976,30 @@ class Engine:
                 draft = tuple(generation.drafts.draft(room, cost))
             drafts.append(draft)
         extra = sum(map(len, drafts))
-        if extra and not self._cache.has_room(len(stepping) + extra):
+        if extra and not (self._cache.has_room(len(stepping) + extra) and self._within_reservations(stepping, drafts)):
             return [()] * len(stepping)
         return drafts
+
+    def _within_reservations(self, stepping: list[_Generation], drafts: Sequence[tuple[int, ...]] = ()) -> bool:
+        """Whether the cells the stepping answers take this step (their drawn tokens', and ``drafts``') beyond the
+        cells reserved for them fit the cells reserved for nobody: an answer past its reservation must not take the
+        cells another's prompt or answer was promised (it would fail mid-call)."""
+        beyond = sum(max(0, 1 + (len(drafts[i]) if drafts else 0) - g.reserved()) for i, g in enumerate(stepping))
+        return beyond == 0 or beyond <= self._free_cells()
 
     def _follow(self, stepping: list[_Generation], drafts: list[tuple[int, ...]]) -> tuple[int, frozenset[int]]:
         """How many tokens the backend may draw and evaluate itself after a lone greedy answer's drawn one, and
         the tokens it stops after (``Span.follow``): as many as FOLLOW_S of its steps hold, within the answer's
         ``max_tokens`` and the free cells."""
-        if not self.backend.follows or len(stepping) != 1 or drafts[0] or not stepping[0].argmax:
+        # Only an answer alone in the engine: another call's prompt has cells reserved, and waits for each step.
+        alone = len(self._jobs) == 1 and not self._waiting and len(stepping) == 1
+        if not self.backend.follows or not alone or drafts[0] or not stepping[0].argmax:
             return 0, frozenset()
         params = stepping[0].params
         n = min(int(FOLLOW_S / self._token_s), params.max_tokens - len(stepping[0].output) - 1)
-        if n <= 0 or not self._cache.has_room(1 + n):
+        if n > 0 and not self._cache.has_room(1 + n):
+            n = min(n, self.capacity - self._cache.cells_used() - 1)
+        if n <= 0:
             return 0, frozenset()
         return n, frozenset() if params.ignore_eos else self.tokenizer.end_ids
 
@@ -983,11 +1008,11 @@ class Engine:
         the cache, the KV policy's (whose ContextFull ends its call). Where others run, the answers past their
         reservation end there instead, as ``length``: the budget is full. True if every stepping answer has its cell."""
         n_incoming = len(stepping)
-        if self._cache.has_room(n_incoming):
+        if self._cache.has_room(n_incoming) and self._within_reservations(stepping):
             return True
         self._cache.drop_others([], n_incoming)
         free = self.capacity - self._cache.cells_used()
-        if free >= n_incoming:
+        if free >= n_incoming and self._within_reservations(stepping):
             return True
         if len(stepping) > 1 or sum(state.busy for state in self._cache.sequences) > 1:
             for generation in [g for g in stepping if not g.reserved()] or stepping:

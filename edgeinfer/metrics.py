@@ -18,7 +18,8 @@ class Metrics:
     ``detokenize_s`` the incremental detokenizer. ``ttft_s`` runs from the start
     of the call (the first ``next()`` of a stream), any wait for the engine included,
     to the first sampled token; ``tpot_s`` is the mean gap between later tokens, and
-    ``tpot_percentile`` reads the spread of those gaps from ``token_times_s``.
+    ``tpot_percentile`` reads the spread of those gaps from ``token_times_s``. Tokens one step made together (a
+    kept draft, or a greedy answer's tokens its backend went on to draw) arrive together, microseconds apart.
     """
 
     prompt_tokens: int = 0  # as evaluated, after any cut

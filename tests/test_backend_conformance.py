@@ -543,6 +543,10 @@ def test_only_sequences_below_n_seq_exist(cls, infos):
         with pytest.raises(BackendError) as exc:  # two spans of one sequence in one call
             backend.eval([Span(1, 0, TOKENS[:2]), Span(1, 2, TOKENS[2:4])])
         one_line(exc)
+        for span in (Span(1, 0, TOKENS[:2], follow=2), Span(1, 0, TOKENS[:2], True, True, 2)):  # follow: argmax only
+            with pytest.raises(BackendError) as exc:
+                backend.eval([span])
+            assert "follow" in one_line(exc)
         # Nothing above was done: sequence 0 still holds its 4 positions, sequence 1 none.
         logits(backend, Span(0, 4, TOKENS[4:5]), Span(1, 0, TOKENS[:1]))
 

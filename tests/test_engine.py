@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from tiny_model import write_tiny_gguf
 
-from edgeinfer import ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
+from edgeinfer import BackendError, ContextFull, EdgeInferError, Engine, InvalidOptionError, SamplingParams
+from edgeinfer.backends.base import Span
 
 from support import JAPAN, MIN_MARGIN, SYSTEM, active_sequence, evaluate, greedy_margins
 
@@ -600,3 +601,65 @@ def test_asyncio_run_returns_without_finishing_an_abandoned_stream(model_path):
     tokens, finish = proc.stdout.split()
     assert finish == "cancelled" and int(tokens) < 100
     assert time.monotonic() - started < 30  # generating 3,000 tokens takes 20 s and more here
+
+
+@pytest.mark.parametrize("speculative", ["off", "lookup"])
+@pytest.mark.parametrize("backend", ["llamacpp", "onnxruntime"])  # onnxruntime's backend follows a greedy answer
+def test_an_answer_past_its_reservation_leaves_the_cells_another_call_was_promised(tmp_path, speculative, backend):
+    """A long answer under the shift policy has outgrown what its call reserved. A second call is admitted with
+    nearly every free cell reserved for its prompt and answer: the first may not take them, by a drawn token, a
+    draft or tokens its backend goes on to draw (it ends as ``length``: the budget is full), and the second runs
+    to its end."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with Engine(
+        path, backend=backend, kv_budget="256tok", kv_policy="shift", threads=2, speculative=speculative
+    ) as engine:
+        first = engine.stream("the cat sat", max_tokens=3000, temperature=0, ignore_eos=True)
+        held = 0
+        for _ in first:  # until the policy drops its oldest cells: past its reservation
+            if engine.kv_used < held:
+                break
+            held = engine.kv_used
+        room = engine._free_cells() - 4
+        text = " the cat" * room
+        while len(engine.tokenize(text)) > room:
+            text = text[: text.rindex(" ")]
+        second = engine.generate(text, max_tokens=3, temperature=0, ignore_eos=True)
+        assert second.finish_reason == "length" and len(second.tokens) == 3
+        rest = list(first)
+        assert first.result is not None and first.result.finish_reason == "length", rest
+
+
+def test_an_answer_ended_for_room_ends_its_call_though_the_step_then_fails(tmp_path):
+    """The step that ends a long answer for want of room (the other call's cells are reserved) evaluates the other
+    answer alone, and that fails: the ended answer's call still ends, as ``length``, and the engine can close."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    engine = Engine(path, kv_budget="256tok", kv_policy="shift", threads=2, speculative="off")
+    first = engine.stream("the cat sat", max_tokens=3000, temperature=0, ignore_eos=True)
+    held = 0
+    for _ in first:  # past its reservation: the policy drops its oldest cells
+        if engine.kv_used < held:
+            break
+        held = engine.kv_used
+    room = engine._free_cells() - 42  # 30 cells the second answer reserves, 12 more that the first fills
+    text = " the cat" * room
+    while len(engine.tokenize(text)) > room:
+        text = text[: text.rindex(" ")]
+    real, together = engine.backend.eval, []
+
+    def fails_once_the_first_answer_is_left_out(batch: list[Span]) -> list[np.ndarray]:
+        seqs = {span.seq for span in batch}
+        together.append(len(seqs) > 1)
+        if any(together[:-1]) and len(seqs) == 1 and len(batch[0].tokens) == 1:
+            raise BackendError("the device was lost")
+        return real(batch)
+
+    engine.backend.eval = fails_once_the_first_answer_is_left_out
+    with pytest.raises(BackendError, match="the device was lost"):
+        engine.generate(text, max_tokens=30, temperature=0, ignore_eos=True)
+    assert any(together)  # the two answers stepped together before the first was ended
+    reader = threading.Thread(target=lambda: list(first), daemon=True)  # before, it waited for ever
+    reader.start()
+    reader.join(timeout=60)
+    assert not reader.is_alive() and first.result is not None and first.result.finish_reason == "length"
+    engine.close()

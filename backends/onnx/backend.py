@@ -269,11 +269,12 @@ class OnnxRuntimeBackend:
                 tokens, all_logits = span.tokens, span.all_logits
                 if len(tokens) <= chunk:  # a decode step, or a short draft: one run
                     logits = self._run(span.seq, tokens, all_logits)
-                    out.append(self._follow(span.seq, logits[-1], span.follow, span.ends) if span.follow else
-                               logits if all_logits else logits[-1])  # fmt: skip
-                    continue
-                rows = [self._run(span.seq, tokens[i : i + chunk], all_logits) for i in range(0, len(tokens), chunk)]
-                out.append(np.concatenate(rows) if all_logits else rows[-1][-1])
+                else:
+                    starts = range(0, len(tokens), chunk)
+                    rows = [self._run(span.seq, tokens[i : i + chunk], all_logits) for i in starts]
+                    logits = np.concatenate(rows) if all_logits else rows[-1]
+                out.append(self._follow(span.seq, logits[-1], span.follow, span.ends) if span.follow else
+                           logits if all_logits else logits[-1])  # fmt: skip
         except BaseException:
             for span in spans:  # a failed evaluation changes nothing
                 self._regions[span.seq].length = span.start
@@ -406,7 +407,7 @@ class OnnxRuntimeBackend:
         """Whether ``spans`` can run as one batch: the graph's products gain from it; a token each, for several
         sequences, while every region is of one size (the batch's cache tensor) with a free cell in each
         sequence the batch spans (the step writes to every one)."""
-        if not self._batches or len(spans) < 2 or any(len(span.tokens) != 1 for span in spans):
+        if not self._batches or len(spans) < 2 or any(len(span.tokens) != 1 or span.follow for span in spans):
             return False
         share = self.capacity // self.n_seq
         first, last = min(span.seq for span in spans), max(span.seq for span in spans)
