@@ -205,8 +205,8 @@ __kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __g
     s2 += convert_float16(vload16(codes + (e) + 2, q)) * xb[(e) + 2];                                       \
     s3 += convert_float16(vload16(codes + (e) + 3, q)) * xb[(e) + 3];
 #define EACH_FOURTH_BYTE(STEP) STEP(0) STEP(4) STEP(8) STEP(12) STEP(16) STEP(20) STEP(24) STEP(28)
-// The loop over a group's blocks, with the sum of x's block; `codes` in vectors of q, VECTORS a block, which
-// EACH(STEP) covers. A work-item past the last group (whole work-groups round the count up) reads nothing.
+// The loop over a group's blocks; `codes` in vectors of q, VECTORS a block, which EACH(STEP) covers. A work-item
+// past the last group (whole work-groups round the count up) reads nothing.
 #define FOR_LANE_BLOCKS(VECTORS, EACH, STEP)                                                                \
     if (LANE_ROW0 >= n)                                                                                     \
         return;                                                                                             \
@@ -215,7 +215,6 @@ __kernel void matvec_q8_0(__global const SCALE_T *d, __global const char *q, __g
     for (int b = 0; b < k / 32; b++) {                                                                      \
         __global const float *xb = x + b * 32;                                                              \
         float16 s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                 \
-        float block_sum = sum16(vload16(0, xb) + vload16(1, xb));                                           \
         size_t codes = (first + b) * VECTORS;                                                               \
         EACH(STEP)                                                                                          \
         float16 s = (s0 + s2) + (s1 + s3);                                                                  \
@@ -239,12 +238,14 @@ void put_lanes(float16 acc, __global float *y, __global const float *bias, int a
 }
 
 // s is the sum of (1 + c / 16) x: the codes' sum with x is 16 (s - block_sum), the offset's (Q4_0's -8, Q4_1's m)
-// the offset times block_sum.
+// the offset times block_sum, the sum of x's block.
+#define BLOCK_SUM sum16(vload16(0, xb) + vload16(1, xb))
 __kernel void matvec_q4_0_lanes(__global const float *d, __global const uint *q, __global const float *x,
                                 __global float *y, __global const float *bias, int k, int at, int n) {
 #define LANE_BLOCK_END                                                                                      \
     {                                                                                                       \
         float16 scale = vload16(first + b, d);                                                              \
+        float block_sum = BLOCK_SUM;                                                                        \
         acc += scale * (16.0f * (s - block_sum)) - 8.0f * scale * block_sum;                                \
     }
     FOR_LANE_BLOCKS(4, EACH_WORD, NIBBLES_X)
@@ -254,7 +255,11 @@ __kernel void matvec_q4_0_lanes(__global const float *d, __global const uint *q,
 __kernel void matvec_q4_1_lanes(__global const float *d, __global const float *m, __global const uint *q,
                                 __global const float *x, __global float *y, __global const float *bias, int k,
                                 int at, int n) {
-#define LANE_BLOCK_END acc += vload16(first + b, d) * (16.0f * (s - block_sum)) + vload16(first + b, m) * block_sum;
+#define LANE_BLOCK_END                                                                                      \
+    {                                                                                                       \
+        float block_sum = BLOCK_SUM;                                                                        \
+        acc += vload16(first + b, d) * (16.0f * (s - block_sum)) + vload16(first + b, m) * block_sum;      \
+    }
     FOR_LANE_BLOCKS(4, EACH_WORD, NIBBLES_X)
 #undef LANE_BLOCK_END
 }
