@@ -437,6 +437,19 @@ def test_a_lone_greedy_answer_is_followed_and_is_the_answer_a_token_a_step_gives
     assert answers[0.0] == answers[engine_module.FOLLOW_S]
 
 
+def test_a_model_trained_on_millions_of_positions_gets_rope_tables_of_2_to_the_17(tmp_path):
+    """16M positions of RoPE tables took 8 GiB, a graph protobuf cannot write (an internal error); the tables stop
+    at 131,072 positions, and a cache of more is one line naming the fix."""
+    path = write_tiny_gguf(tmp_path / "long.gguf", n_ctx=16_000_000)
+    with Engine(path, backend="onnxruntime", kv_budget="256tok", threads=2) as engine:
+        assert len(engine.generate("the cat", max_tokens=3, temperature=0, ignore_eos=True).tokens) == 3
+    with pytest.raises(InvalidOptionError) as exc:
+        Engine(path, backend="onnxruntime", kv_budget="200000tok", threads=2)
+    assert (
+        "\n" not in str(exc.value) and "at most 131,072 positions" in str(exc.value) and "--kv-budget" in str(exc.value)
+    )
+
+
 def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(tmp_path):
     # A cache longer than the model's context: position 64 is past its RoPE table, which ONNX Runtime refuses
     # mid-evaluation (the engine never asks for it: it caps the cache at the model's context).

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import onnxruntime as ort
 
-from edgeinfer.errors import BackendError, BackendUnavailableError, first_line
+from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError, first_line
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import open_tensors
@@ -71,6 +71,7 @@ from .spec import (
     graph_bytes,
     past_names,
     present_names,
+    rope_positions,
     unmapped_types,
 )
 
@@ -176,6 +177,11 @@ class OnnxRuntimeBackend:
         reason = self.supports(info)
         if reason is not None:
             raise BackendUnavailableError(f"the onnxruntime backend cannot run this model: {reason}")
+        if options.kv_tokens > rope_positions(info.hparams):
+            raise InvalidOptionError(
+                f"the onnxruntime backend holds at most {rope_positions(info.hparams):,} positions of "
+                f"{info.path.name}, not {options.kv_tokens:,}: lower --kv-budget"
+            )
         self._closed = True  # until loaded
         hp = info.hparams
         self._hp = hp

@@ -53,6 +53,7 @@ from .spec import (
     GraphSpec,
     past_names,
     present_names,
+    rope_positions,
 )
 from .weights import NBits, ZeroPoints, concat, matmul, nbits, pack4
 
@@ -194,10 +195,10 @@ class _Builder:
         return self.node("Reshape", [added, flat], "embedded")
 
     def rope_tables(self, layer: int) -> tuple[str, str]:
-        """cos and sin of every position's angles for ``layer``'s frequencies, (n_ctx_train, head_dim / 2)."""
+        """cos and sin of every position's angles for ``layer``'s frequencies, (``rope_positions``, head_dim / 2)."""
         key = f"rope.{self.hp.layer_rope_base(layer):g}"  # layers of one base share their tables
         if key + ".cos" not in self._names:
-            angles = np.arange(self.hp.n_ctx_train, dtype=np.float64)[:, None] * self.rotary.inv_freq[layer]
+            angles = np.arange(rope_positions(self.hp), dtype=np.float64)[:, None] * self.rotary.inv_freq[layer]
             dtype = np.float16 if self.spec.kv_type == "f16" else np.float32  # GQA's computing type
             self.constant(key + ".cos", np.cos(angles).astype(dtype))
             self.constant(key + ".sin", np.sin(angles).astype(dtype))

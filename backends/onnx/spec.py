@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gguf import MODEL_TENSOR
 from gguf import GGMLQuantizationType as QType
 
-from edgeinfer.models.arch import tensor_name
+from edgeinfer.models.arch import HParams, tensor_name
 from edgeinfer.models.info import ModelInfo
 
 # Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt, and
@@ -28,12 +28,21 @@ NBITS_TYPES = (
     QType.Q2_K, QType.Q3_K, QType.IQ4_XS,
 )  # fmt: skip
 
+# The most positions the RoPE tables hold: a model trained on 16M positions made tables of 8 GiB, a graph protobuf
+# cannot write; 2^17 covers a 128K-token context, and a sequence never holds more positions than its cache.
+ROPE_POSITIONS = 1 << 17
+
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 SEQLENS_K = "seqlens_k"
 TOTAL_LENGTH = "total_sequence_length"
 LOGIT_ROWS = "logit_rows"
 LOGITS = "logits"
+
+
+def rope_positions(hp: HParams) -> int:
+    """The positions the graph's RoPE tables hold for a model: as many as it was trained on, or ROPE_POSITIONS."""
+    return min(hp.n_ctx_train, ROPE_POSITIONS)
 
 
 def past_names(layer: int) -> tuple[str, str]:
