@@ -445,22 +445,27 @@ def test_a_model_trained_on_millions_of_positions_gets_rope_tables_of_2_to_the_1
         assert len(engine.generate("the cat", max_tokens=3, temperature=0, ignore_eos=True).tokens) == 3
     with pytest.raises(InvalidOptionError) as exc:
         Engine(path, backend="onnxruntime", kv_budget="200000tok", threads=2)
-    assert (
-        "\n" not in str(exc.value) and "at most 131,072 positions" in str(exc.value) and "--kv-budget" in str(exc.value)
-    )
+    message = str(exc.value)
+    assert "\n" not in message and "at most 131,072 positions" in message and "--kv-budget" in message
+    # A model trained on fewer holds as many as it was trained on (the engine never asks for more).
+    short = load_model_info(write_tiny_gguf(tmp_path / "short.gguf", n_ctx=64))
+    with pytest.raises(InvalidOptionError, match="at most 64 positions of short.gguf, not 128"):
+        OnnxRuntimeBackend(short, options(kv_tokens=128))
 
 
-def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(tmp_path):
-    # A cache longer than the model's context: position 64 is past its RoPE table, which ONNX Runtime refuses
-    # mid-evaluation (the engine never asks for it: it caps the cache at the model's context).
-    info = load_model_info(write_tiny_gguf(tmp_path / "short.gguf", n_ctx=64))
-    backend = OnnxRuntimeBackend(info, options(kv_tokens=128))
+def test_a_failure_inside_onnx_runtime_is_a_backend_error_that_changes_nothing(tiny):
+    backend = OnnxRuntimeBackend(tiny, options(kv_tokens=128))
     try:
         (last,) = backend.eval([Span(0, 0, TOKENS)])
         last = last.copy()
+        session = backend._session
+        real = session.run_with_iobinding
+        session.run_with_iobinding = lambda binding, *args: real(session.io_binding(), *args)  # ONNX Runtime's error
         with pytest.raises(BackendError) as exc:
             backend.eval([Span(0, 64, [5])])
         assert "\n" not in str(exc.value) and "ONNX Runtime" in str(exc.value)
+        del session.run_with_iobinding
+        backend.eval([Span(0, 64, [5])])  # the sequence holds its 64 positions, as before the failure
         backend.truncate(0, 63)
         (again,) = backend.eval([Span(0, 63, TOKENS[-1:])])
         np.testing.assert_allclose(again, last, rtol=0, atol=1e-5)
