@@ -62,6 +62,7 @@ def choose_backend(
         return cls
     reasons, skipped = [], []  # why each backend was not taken; of those that load here, for the note
     missing, passed_over = [], 0  # of those that run the model: without the device asked for; passed over else
+    refused = []  # those that load here but cannot run the model: one of them may have the device
     for candidate in BACKENDS:
         try:
             cls = backend_class(candidate)
@@ -69,7 +70,9 @@ def choose_backend(
             reasons.append(f"{candidate}: {exc}")
             continue
         reason = cls.supports(info)
-        if reason is None:
+        if reason is not None:
+            refused.append(f"{candidate} cannot run it: {reason}")
+        else:
             try:
                 reason = _passed_over(cls, info, options)
             except NoSuchDeviceError as exc:
@@ -83,7 +86,7 @@ def choose_backend(
         reasons.append(f"{candidate}: {reason}")
         skipped.append(f"{candidate}: {reason}")
     if missing and len(missing) == passed_over:  # the device is what to change
-        devices = "; ".join(f"{exc.backend}'s are {', '.join(exc.devices)}" for exc in missing)
+        devices = "; ".join([*(f"{exc.backend}'s are {', '.join(exc.devices)}" for exc in missing), *refused])
         raise NoSuchDeviceError(
             f"no backend that runs {info.path.name} here has a device {missing[0].wanted!r}: {devices} (a part of "
             "a name or description chooses one too; `edgeinfer info` describes them)",

@@ -228,12 +228,12 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
         )
     devices = backend.devices()
     names = [d.name for d in devices]
-    wanted = options.device
+    wanted, place = options.device, place_in_list(options.device)
     if wanted.strip().lower() == CPU:
         options = dataclasses.replace(options, device=CPU)
-    elif wanted.isascii() and wanted.isdigit():  # an index, never a part of a name
-        if wanted not in names and int(wanted) < len(devices) - 1:
-            options = dataclasses.replace(options, device=names[int(wanted) + 1])
+    elif place is not None:  # an index, never a part of a name
+        if wanted not in names and place < len(devices) - 1:
+            options = dataclasses.replace(options, device=names[place + 1])
     elif wanted not in names:
         described = [(d.name, d.name, d.description) for d in devices[1:]]
         found = device_by_part(wanted, described, f"{backend.name} devices")
@@ -254,6 +254,15 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
     if options.gpu_layers == 0 and gpu is not None:
         raise InvalidOptionError(f"--gpu-layers 0 puts nothing on {gpu}; give a number of layers, or -1 for all")
     return options
+
+
+def place_in_list(wanted: str) -> int | None:
+    """``wanted`` as a place in a list of devices where it is a number alone, spaces around it ignored: a number is
+    never a part of a description ("OpenCL C 1.2" holds a 1). One too long to be a place is past any list."""
+    digits = wanted.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits) if len(digits) < 10 else 10**10
 
 
 def device_by_part(wanted: str, devices: Sequence[tuple[str, str, str]], kind: str) -> str | None:

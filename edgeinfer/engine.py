@@ -193,7 +193,8 @@ class Engine:
             )  # fmt: skip
         if options.kv_tokens < MIN_KV_TOKENS:
             raise InvalidOptionError(
-                f"a KV budget of {options.kv_tokens} tokens is too small; give at least {MIN_KV_TOKENS}"
+                f"a KV budget of {options.kv_tokens} token{'s' * (options.kv_tokens != 1)} is too small; give at "
+                f"least {MIN_KV_TOKENS}"
             )
         check_memory(backend_cls.memory(self.info, options), force=force)
         self.batch_size = batch_size
@@ -867,14 +868,17 @@ class Engine:
         if logits is not None and not np.isfinite(logits).all():
             self._fail_job(job, _corrupt(self.model_path.name))
             return
-        seq, n = job.seqs[0], len(job.prompt)
+        seq, n, follows = job.seqs[0], len(job.prompt), self.backend.follows
         for other, generation in zip(job.seqs, job.wave, strict=True):
             if other != seq and logits is not None:
                 self._cache.share(seq, other, n)
             m = generation.metrics
             m.prompt_tokens, m.prompt_cut, m.cached_tokens, m.prefill_s = n, job.prompt_cut, job.cached, job.prefill_s
             generation.start(other, logits, self._cache.sequences[other], self.model_path.name, self.capacity - n)
-            if logits is not None and self.speculative is Speculation.LOOKUP:
+            # A greedy answer on a backend that follows is not drafted from its prompt: it would then be drafted or
+            # followed as the steps' timing has it, and a drafted step's batch rounds its rows otherwise than one
+            # token a run (ONNX Runtime: by up to 0.05 logits), so the same call could give other text run to run.
+            if logits is not None and self.speculative is Speculation.LOOKUP and not (generation.argmax and follows):
                 generation.drafts = PromptLookup(job.prompt)
             elif logits is not None and self.speculative is Speculation.DRAFT and self._draft_model is not None:
                 generation.drafts = ModelDrafts(self._draft_model, other, job.prompt)

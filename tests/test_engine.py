@@ -348,6 +348,8 @@ def test_a_device_given_as_none_or_a_number_is_read_as_the_cli_reads_it(model_pa
         assert engine.backend.name == "reference"
     with pytest.raises(InvalidOptionError, match="the reference backend has no device '0' here"):
         Engine(model_path, backend="reference", device=0, kv_budget="64tok")  # an index, as --device 0 is
+    with pytest.raises(InvalidOptionError, match="the reference backend has no device '9999"):
+        Engine(model_path, backend="reference", device="9" * 5000, kv_budget="64tok")  # past int()'s 4,300 digits
     for odd in (1.5, b"cpu", ["cpu"]):
         with pytest.raises(InvalidOptionError, match="device must be a name or an index"):
             Engine(model_path, backend="reference", device=odd, kv_budget="64tok")  # type: ignore[arg-type]

@@ -437,6 +437,22 @@ def test_a_lone_greedy_answer_is_followed_and_is_the_answer_a_token_a_step_gives
     assert answers[0.0] == answers[engine_module.FOLLOW_S]
 
 
+def test_a_greedy_answer_is_not_drafted_so_its_text_is_the_same_run_to_run(tiny, monkeypatch):
+    """A drafted step rounds its batch of rows otherwise than one token a run; following comes and goes with the
+    steps' timing. A greedy answer on this backend is therefore never drafted from its prompt: with lookup (the
+    default) or without, following or not, it is the same tokens."""
+    answers = []
+    for follow_s in (0.0, engine_module.FOLLOW_S):
+        monkeypatch.setattr(engine_module, "FOLLOW_S", follow_s)
+        for speculative in ("lookup", "off"):
+            with Engine(tiny.path, backend="onnxruntime", kv_budget="128tok", threads=2, speculative=speculative) as e:
+                for _ in range(2):  # the second once the engine has timed its steps
+                    result = e.generate("the cat the cat the cat", max_tokens=40, temperature=0, ignore_eos=True)
+                    assert result.metrics.drafted_tokens == 0
+                    answers.append(result.tokens)
+    assert all(tokens == answers[0] for tokens in answers)
+
+
 def test_a_model_trained_on_millions_of_positions_gets_rope_tables_of_2_to_the_17(tmp_path):
     """16M positions of RoPE tables took 8 GiB, a graph protobuf cannot write (an internal error); the tables stop
     at 131,072 positions, and a cache of more is one line naming the fix."""

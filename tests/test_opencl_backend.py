@@ -120,6 +120,14 @@ def test_auto_chooses_the_backend_with_the_device_asked_for(tmp_path, model_path
     message = str(exc.value)
     assert "\n" not in message and "here has a device 'no such device': " in message
     assert f"opencl's are cpu, {first.index}" in message and "reference's are cpu" in message
+    # A number is a place in the list, spaces around it or not: never the "1" of "OpenCL C 1.2".
+    past = f" {len(opencl_devices())} "
+    with pytest.raises(InvalidOptionError, match=f"has a device '{past}'"):
+        Engine(path, device=past, kv_budget="16tok", threads=2)
+    # The backend with the device cannot run this model: the line says why.
+    q5_1 = write_tiny_gguf(tmp_path / "q5_1.gguf", tensor_type="Q5_1")
+    with pytest.raises(InvalidOptionError, match="opencl cannot run it: .*Q5_1"):
+        Engine(q5_1, device=first.index, kv_budget="16tok", threads=2)
 
 
 def test_the_engine_and_the_cli_take_a_device_by_a_part_of_its_name_platform_or_version(tmp_path, model_path):

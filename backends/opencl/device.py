@@ -15,7 +15,7 @@ import pyopencl as cl
 
 from edgeinfer.errors import BackendUnavailableError, InvalidOptionError
 
-from ..base import device_by_part
+from ..base import device_by_part, place_in_list
 
 ENV = "EDGEINFER_OPENCL_DEVICE"
 INSTALL_HINT = (
@@ -97,8 +97,9 @@ def choose_device(wanted: str | None) -> tuple[OpenCLDevice, cl.Device]:
         return next((pair for pair in devices if pair[0].gpu), devices[0])
     by_index = {info.index: (info, device) for info, device in devices}
     described = [(info.index, info.name, info.describe()) for info, _ in devices]
-    if wanted.isascii() and wanted.isdigit():  # a place in the list, never a part of a description ("OpenCL 3.0")
-        index = devices[int(wanted)][0].index if int(wanted) < len(devices) else None
+    place = place_in_list(wanted)
+    if place is not None:  # never a part of a description ("OpenCL 3.0")
+        index = devices[place][0].index if place < len(devices) else None
     else:
         index = wanted if wanted in by_index else device_by_part(wanted, described, "OpenCL devices")
     if index is None:
