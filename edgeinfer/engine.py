@@ -69,8 +69,8 @@ Prompt = str | Sequence[Message] | Continuation
 DEFAULT_SEQUENCES = 4
 # A lone greedy answer's backend may go on drawing tokens itself for up to this long a step (``Span.follow``): the
 # engine's own Python around a step, about 45 us, then counts once per several tokens of a tiny model (tiny-qwen2
-# on ONNX Runtime: a 250 us step; docs/BENCHMARKS.md), while its text still arrives at least every 4 ms, and a call
-# that comes meanwhile waits no longer than that for its turn.
+# on ONNX Runtime: a 250 us step; docs/BENCHMARKS.md), while its text still arrives about every 4 ms, and a call
+# that comes meanwhile waits about that long at most for its turn.
 FOLLOW_S = 0.004
 
 
