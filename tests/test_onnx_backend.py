@@ -380,8 +380,8 @@ def test_a_followed_span_returns_the_greedy_tokens_and_holds_all_but_the_last(mo
         assert int(np.argmax(row)) == expected[6]
         with pytest.raises(BackendError):
             backend.eval([Span(0, 13, expected[5:6])])
-        # An end token: the first from the ninth on that the tokens before it since the seventh do not hold.
-        end = next(i for i in range(8, 17) if expected[i] not in expected[7:i])
+        # The tenth token as an end token: following stops at its first place from the eighth on, whatever the words.
+        end = expected.index(expected[9], 7)
         span = Span(0, 14, expected[6:7], argmax=True, follow=9, ends=frozenset(expected[end : end + 1]))
         (followed,) = backend.eval([span])
         assert followed.tolist() == expected[7 : end + 1]  # the end token is returned, not evaluated
