@@ -8,7 +8,9 @@ Issue 17 asks three questions of the CPU kernels, answered here side by side in 
 - weights as graph initializers against weights fed as inputs at run time.
 
 And one of our own: whether Q8_0 can be computed exactly at speed. Its 8-bit codes run fast only with int8
-activations; as two 4-bit planes (high nibbles times 16d, low ones times d, A fed twice) they take float ones.
+activations; as two 4-bit planes (high nibbles times 16d, low ones times d, A fed twice) they take float ones;
+in two int8 passes, the second over what rounding A to int8 left (``matmul``'s ``residual_pass``, the backend's
+form), they come within 1/254 of the first pass's error.
 
 Each case is one MatMulNBits node computing ``A @ W.T`` for a weight matrix quantized by ggml
 and repacked by ``edgeinfer.backends.onnx.weights``, timed over --calls runs after a warm-up, for one
@@ -37,29 +39,31 @@ from edgeinfer.converters.quantize import quantize
 # (name, N, K): a small model's FFN up and down projections (512 wide, so that Q4_K's 256-element
 # super-blocks fit its rows), and a 7B-class square matrix.
 SHAPES = [("512->1536", 1536, 512), ("1536->512", 512, 1536), ("4096->4096", 4096, 4096)]
-# (label, GGUF type, how Q4_1's zero point goes in, accuracy_level, weights as inputs, 8-bit codes as 4-bit planes)
+# (label, GGUF type, how Q4_1's zero point goes in, accuracy_level, weights as inputs, 8-bit codes as 4-bit planes,
+# a second int8 pass over A's rounding)
 CASES = [
-    ("Q4_0", QType.Q4_0, ZeroPoints.FLOAT, 0, False, False),
-    ("Q4_0 acc4", QType.Q4_0, ZeroPoints.FLOAT, 4, False, False),
-    ("Q4_0 inputs", QType.Q4_0, ZeroPoints.FLOAT, 0, True, False),
-    ("Q4_0 acc4 inputs", QType.Q4_0, ZeroPoints.FLOAT, 4, True, False),
-    ("Q8_0", QType.Q8_0, ZeroPoints.FLOAT, 0, False, False),
-    ("Q8_0 acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, False),
-    ("Q4_1 float zp", QType.Q4_1, ZeroPoints.FLOAT, 0, False, False),
-    ("Q4_1 float zp acc4", QType.Q4_1, ZeroPoints.FLOAT, 4, False, False),
-    ("Q4_1 uint4 zp", QType.Q4_1, ZeroPoints.UINT4, 0, False, False),
-    ("Q4_1 uint4 zp acc4", QType.Q4_1, ZeroPoints.UINT4, 4, False, False),
-    ("Q4_1 split", QType.Q4_1, ZeroPoints.SPLIT, 0, False, False),
-    ("Q4_1 split acc4", QType.Q4_1, ZeroPoints.SPLIT, 4, False, False),
-    ("Q4_K split", QType.Q4_K, ZeroPoints.SPLIT, 0, False, False),
-    ("Q4_K split acc4", QType.Q4_K, ZeroPoints.SPLIT, 4, False, False),
+    ("Q4_0", QType.Q4_0, ZeroPoints.FLOAT, 0, False, False, False),
+    ("Q4_0 acc4", QType.Q4_0, ZeroPoints.FLOAT, 4, False, False, False),
+    ("Q4_0 inputs", QType.Q4_0, ZeroPoints.FLOAT, 0, True, False, False),
+    ("Q4_0 acc4 inputs", QType.Q4_0, ZeroPoints.FLOAT, 4, True, False, False),
+    ("Q8_0", QType.Q8_0, ZeroPoints.FLOAT, 0, False, False, False),
+    ("Q8_0 acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, False, False),
+    ("Q4_1 float zp", QType.Q4_1, ZeroPoints.FLOAT, 0, False, False, False),
+    ("Q4_1 float zp acc4", QType.Q4_1, ZeroPoints.FLOAT, 4, False, False, False),
+    ("Q4_1 uint4 zp", QType.Q4_1, ZeroPoints.UINT4, 0, False, False, False),
+    ("Q4_1 uint4 zp acc4", QType.Q4_1, ZeroPoints.UINT4, 4, False, False, False),
+    ("Q4_1 split", QType.Q4_1, ZeroPoints.SPLIT, 0, False, False, False),
+    ("Q4_1 split acc4", QType.Q4_1, ZeroPoints.SPLIT, 4, False, False, False),
+    ("Q4_K split", QType.Q4_K, ZeroPoints.SPLIT, 0, False, False, False),
+    ("Q4_K split acc4", QType.Q4_K, ZeroPoints.SPLIT, 4, False, False, False),
     # Codes of 5 to 8 bits go in as 8-bit codes, fast only with int8 activations.
-    ("Q5_0 acc4", QType.Q5_0, ZeroPoints.FLOAT, 4, False, False),
-    ("Q5_K acc4", QType.Q5_K, ZeroPoints.FLOAT, 4, False, False),
-    ("Q6_K acc4", QType.Q6_K, ZeroPoints.FLOAT, 4, False, False),
-    ("IQ4_NL acc4", QType.IQ4_NL, ZeroPoints.FLOAT, 4, False, False),
-    ("Q8_0 as 4-bit planes", QType.Q8_0, ZeroPoints.FLOAT, 0, False, True),
-    ("Q8_0 as 4-bit planes acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, True),
+    ("Q5_0 acc4", QType.Q5_0, ZeroPoints.FLOAT, 4, False, False, False),
+    ("Q5_K acc4", QType.Q5_K, ZeroPoints.FLOAT, 4, False, False, False),
+    ("Q6_K acc4", QType.Q6_K, ZeroPoints.FLOAT, 4, False, False, False),
+    ("IQ4_NL acc4", QType.IQ4_NL, ZeroPoints.FLOAT, 4, False, False, False),
+    ("Q8_0 as 4-bit planes", QType.Q8_0, ZeroPoints.FLOAT, 0, False, True, False),
+    ("Q8_0 as 4-bit planes acc4", QType.Q8_0, ZeroPoints.FLOAT, 4, False, True, False),
+    ("Q8_0 acc4 two passes", QType.Q8_0, ZeroPoints.FLOAT, 4, False, False, True),
 ]
 
 
@@ -91,11 +95,18 @@ class Row:
 
 
 def session(
-    weight: NBits, accuracy_level: int, as_inputs: bool, threads: int, doubled: bool = False
+    weight: NBits,
+    accuracy_level: int,
+    as_inputs: bool,
+    threads: int,
+    doubled: bool = False,
+    residual_pass: bool = False,
 ) -> tuple[ort.InferenceSession, dict]:
     """The product's graph; the feeds that go with every run (the weights, when they are inputs). ``doubled``: the
-    weight reads A twice over (``planes``)."""
-    nodes, initializers = matmul(weight, "A2" if doubled else "A", "Y", "w", accuracy_level)
+    weight reads A twice over (``planes``); ``residual_pass``: ``matmul``'s."""
+    nodes, initializers = matmul(
+        weight, "A2" if doubled else "A", "Y", "w", accuracy_level, residual_pass=residual_pass
+    )
     if doubled:
         nodes.insert(0, helper.make_node("Concat", ["A", "A"], ["A2"], axis=-1))
     inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, weight.k // 2 if doubled else weight.k])]
@@ -127,13 +138,13 @@ def measure(threads: int, calls: int, prefill: int) -> list[Row]:
     rows = []
     for shape, n, k in SHAPES:
         w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-        for label, qtype, zero_points, accuracy, as_inputs, as_planes in CASES:
+        for label, qtype, zero_points, accuracy, as_inputs, as_planes, two_passes in CASES:
             raw = quantize(w, qtype)
             truth = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
             weight = nbits(raw, qtype, k, zero_points)
             if as_planes:
                 weight = planes(weight)
-            sess, feeds = session(weight, accuracy, as_inputs, threads, doubled=as_planes)
+            sess, feeds = session(weight, accuracy, as_inputs, threads, doubled=as_planes, residual_pass=two_passes)
             for m in (1, prefill):
                 a = rng.standard_normal((m, k)).astype(np.float32)
                 feed = {"A": a, **feeds}
@@ -160,9 +171,9 @@ def measure(threads: int, calls: int, prefill: int) -> list[Row]:
 def main(threads: int, calls: int, prefill: int, json_path: str | None) -> None:
     print(f"onnxruntime {ort.__version__}, {threads} threads")
     rows = measure(threads, calls, prefill)
-    print(f"{'shape':12s} {'case':20s} {'rows':>5s} {'us/call':>10s} {'rel. error':>11s}")
+    print(f"{'shape':12s} {'case':26s} {'rows':>5s} {'us/call':>10s} {'rel. error':>11s}")
     for r in rows:
-        print(f"{r.shape:12s} {r.case:20s} {r.rows:5d} {r.us_per_call:10.1f} {r.relative_error:11.2e}")
+        print(f"{r.shape:12s} {r.case:26s} {r.rows:5d} {r.us_per_call:10.1f} {r.relative_error:11.2e}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

@@ -1,7 +1,8 @@
-"""Which activations the ONNX Runtime backend chooses for each model's 4-bit products, measured afresh.
+"""Which activations the ONNX Runtime backend chooses for each model, measured afresh: exact (float for 4-bit
+codes, two int8 passes for Q8_0) or int8 in one pass.
 
 Runs the backend's first-load measurement (``backends/onnx/activations.py``) in an empty graph
-cache, so both graphs are built and scored: prints the KLD of int8 activations from float ones,
+cache, so both graphs are built and scored: prints the KLD of int8 activations from exact ones,
 the level chosen, and how long measuring took (both builds included).
 
     python scripts/onnx_activations.py smollm2-135m gemma3-270m /tmp/tiny-qwen2-q4_0.gguf --threads 2
@@ -44,8 +45,8 @@ def main() -> None:
             took = time.perf_counter() - start
             records = list(Path(cache, "onnx").glob("*-activations.json"))
             kld = json.loads(records[0].read_text())["int8_kld"] if records else None
-        measured = "not measured: no 4-bit codes" if kld is None else f"int8 KLD from float {kld:.1e}"
-        chosen = "int8" if level == INT8 else "float"
+        measured = "not measured: no 4-bit or Q8_0 codes" if kld is None else f"int8 KLD from exact {kld:.1e}"
+        chosen = "int8" if level == INT8 else "exact"
         print(f"{info.path.name}: {measured}, {chosen} activations; measuring took {took:.1f} s")
 
 

@@ -63,34 +63,53 @@ def smollm2_copies(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
     return reference_copies(tmp_path_factory.mktemp("smollm2-copies"), model_path, ("f32", "q8_0"))
 
 
-def test_an_f32_copy_of_smollm2_agrees_with_the_reference_over_512_tokens(smollm2_copies):
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_f32_and_q8_0_copies_of_smollm2_agree_with_the_reference_over_512_tokens(smollm2_copies, kind):
     """Issue 17's bound: top-1 >= 99% and mean KLD <= 0.001, with an f16 cache, the coarser of its two (the default
-    is f32). Measured: 1.4e-7, 100%."""
+    is f32). Measured: F32 1.4e-7, 100%; Q8_0 1.2e-6, 100%. The Q8_0 copy's first load finds that one int8 pass
+    moves it too far (3.3e-3 over the calibration text) and keeps two: in one, as llama.cpp computes it, SmolLM2 lost
+    2.65e-3, 96.9% here (llama.cpp 2.57e-3 to 2.76e-3)."""
     tokens, copies = smollm2_copies
-    info, truth = copies["f32"]
+    info, truth = copies[kind]
     ours = logits_of(OnnxRuntimeBackend, info, tokens, "f16")
     divergence, agree = kld(truth, ours), top1(truth, ours)
     assert divergence <= 1e-3 and agree >= 0.99, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
+    assert chosen_accuracy_level(info) == (FLOAT if kind == "q8_0" else None)  # F32: nothing to measure
 
 
-def test_a_q8_0_copy_of_smollm2_is_as_close_to_the_reference_as_llama_cpp(smollm2_copies):
-    """8-bit codes run with int8 activations, as llama.cpp runs Q8_0: SmolLM2's activations lose as much to that
-    rounding in both (measured: ONNX Runtime KLD 2.65e-3, top-1 96.9%; llama.cpp 2.57e-3 to 2.76e-3; float
-    activations would give 1.2e-6 at a 23rd of the speed). On tiny-qwen2 both stay within issue 17's
-    0.001 and 99% (6.5e-5, 99.4%)."""
-    tokens, copies = smollm2_copies
-    info, truth = copies["q8_0"]
-    ours = logits_of(OnnxRuntimeBackend, info, tokens, "f16")
-    try:
-        from edgeinfer.backends.llamacpp import LlamaCppBackend
-    except ImportError as exc:
-        pytest.skip(f"llama.cpp, the measure of int8 activations' rounding, is not installed: {exc}")
-    theirs = logits_of(LlamaCppBackend, info, tokens, "f16")
-    # KLD, not top-1, against llama.cpp: over 512 tokens of this model llama.cpp's own top-1 moves with its
-    # kernels (96.9% on the AVX-512 build, 98.2% on the AVX2 one), its KLD much less (2.57e-3, 2.76e-3).
-    ours_kld, theirs_kld = kld(truth, ours), kld(truth, theirs)
-    assert ours_kld <= 1.25 * theirs_kld, (ours_kld, theirs_kld)
-    assert ours_kld < 0.01 and top1(truth, ours) >= 0.95  # a mapping error costs 0.1 and more
+def residual_passes(info: ModelInfo, level: int) -> tuple[int, int]:
+    """The products of ``info``'s graph at ``level``, and how many of them take a second pass."""
+    from edgeinfer.models.tensors import open_tensors
+
+    with open_tensors(info) as tensors:
+        model = graph.build_graph(info, tensors, GraphSpec("f32", level))
+    products = [node.name for node in model.graph.node if node.op_type == "MatMulNBits"]
+    second = [name for name in products if name.endswith(".second_pass")]
+    return len(products) - len(second), len(second)
+
+
+def test_an_exact_graph_takes_every_q8_0_product_in_two_int8_passes_and_an_int8_one_in_one(tmp_path):
+    from conformance_models import write_sharp_gguf
+
+    info = load_model_info(write_sharp_gguf(tmp_path / "q8_0.gguf", tensor_type="Q8_0", n_embd=256, n_ff=512))
+    products = 4 * info.hparams.n_layer + 1  # Q, K and V in one, the attention's output, gate and up, down; the head
+    assert residual_passes(info, FLOAT) == (products, products)
+    assert residual_passes(info, INT8) == (products, 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: Q, K and V have biases, added once
+def test_q8_0_in_two_int8_passes_computes_what_the_file_holds(tmp_path, monkeypatch, arch):
+    """The sharpened tiny model, which one int8 pass moves by KLD 8.9e-4 and 9.9e-4, to within float rounding
+    (measured: 1.4e-8 and 1.2e-8)."""
+    from conformance_models import write_sharp_gguf
+
+    monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
+    path = write_sharp_gguf(tmp_path / "q8_0.gguf", arch=arch, tensor_type="Q8_0", n_embd=256, n_ff=512, n_head=4)
+    info = load_model_info(path)
+    truth = logits_of(ReferenceBackend, info, TOKENS, "f32")
+    ours = logits_of(OnnxRuntimeBackend, info, TOKENS, "f32", accuracy_level=FLOAT)
+    divergence, agree = kld(truth, ours), top1(truth, ours)
+    assert divergence <= 1e-6 and agree == 1.0, f"KLD {divergence:.2e}, top-1 {agree:.3f}"
 
 
 def test_the_graph_is_built_once_and_a_damaged_one_is_rebuilt(tiny, caplog, tmp_path, monkeypatch):
@@ -174,16 +193,22 @@ def outlying_norms(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("outliers", "chosen"), [(False, INT8), (True, FLOAT)])
-def test_int8_activations_are_kept_only_for_a_model_they_move_little(tmp_path, monkeypatch, caplog, outliers, chosen):
-    """Measured here, KLD of int8 activations from float ones: 6.0e-6 on the plain model, 1.4 with outliers."""
+@pytest.mark.parametrize(
+    ("tensor_type", "outliers", "chosen"),
+    [("Q4_0", False, INT8), ("Q4_0", True, FLOAT), ("Q8_0", False, INT8), ("Q8_0", True, FLOAT)],
+)
+def test_int8_activations_are_kept_only_for_a_model_they_move_little(
+    tmp_path, monkeypatch, caplog, tensor_type, outliers, chosen
+):
+    """Measured here, KLD of int8 activations from exact ones: Q4_0 5.4e-6 on the plain model, 0.17 with outliers;
+    Q8_0, held to LOSSLESS_KLD_LIMIT, 6.4e-6 and 0.20."""
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(tmp_path / "q4_0.gguf", tensor_type="Q4_0", n_embd=256, n_ff=512, n_head=4)
+    path = write_tiny_gguf(tmp_path / "model.gguf", tensor_type=tensor_type, n_embd=256, n_ff=512, n_head=4)
     info = load_model_info(outlying_norms(path) if outliers else path)
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         assert OnnxRuntimeBackend.accuracy_level(info, options()) == chosen
     (said,) = [r.message for r in caplog.records if "int8 activations move it" in r.message]
-    assert ("int8 kept" if chosen == INT8 else "float kept") in said
+    assert ("int8 kept" if chosen == INT8 else "exact kept") in said
     other = INT8 if chosen == FLOAT else FLOAT
     assert graph_path(info, GraphSpec("f16", chosen)).exists()
     assert not graph_path(info, GraphSpec("f16", other)).exists()  # measured with, then removed: no disk spent
@@ -193,7 +218,10 @@ def test_int8_activations_are_kept_only_for_a_model_they_move_little(tmp_path, m
         truth = logits_of(ReferenceBackend, info, TOKENS, "f32")
         ours = logits_of(OnnxRuntimeBackend, info, TOKENS, "f32")  # another KV type: only its graph is built
     assert not any("measuring" in r.message for r in caplog.records)  # the choice is kept, not made again
-    assert kld(truth, ours) <= (INT8_KLD_LIMIT if chosen == INT8 else 1e-6)
+    # Exact: float activations compute what the file holds; two int8 passes come within 1/254 of one pass's
+    # rounding, which these outliers make coarse (measured: 4.8e-5).
+    exact = 1e-6 if tensor_type == "Q4_0" else 1e-4
+    assert kld(truth, ours) <= (INT8_KLD_LIMIT if chosen == INT8 else exact)
 
     record = next((tmp_path / "cache" / "onnx").glob("*-activations.json"))
     record.write_bytes(b"\xff not json")  # damaged: measured again, not trusted
@@ -215,7 +243,7 @@ def test_int8_activations_are_kept_only_for_a_model_they_move_little(tmp_path, m
     assert chosen_accuracy_level(info) is None
 
 
-def test_a_model_without_4_bit_codes_is_not_measured(tiny, tmp_path, monkeypatch, caplog):
+def test_a_model_without_4_bit_or_q8_0_codes_is_not_measured(tiny, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("EDGEINFER_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         assert OnnxRuntimeBackend.accuracy_level(tiny, options()) == FLOAT  # F32: the level changes nothing
@@ -643,8 +671,8 @@ def test_without_llama_cpp_auto_runs_onnxruntime_and_tokenizes_as_llama_cpp(mode
 
 # Every type the graph maps, on the sharpened tiny model, against the reference, with float activations
 # throughout: the graph then computes what the file holds, to rounding (measured below 1e-6). The backend
-# runs codes of 5 to 8 bits with int8 activations for speed, as llama.cpp does, which costs 2e-4 to 5e-3
-# on this deliberately sensitive model; a wrong mapping costs 0.1 and more.
+# runs codes of 5 and 6 bits with int8 activations for speed, as llama.cpp does, which costs 2e-4 to 5e-3
+# on this deliberately sensitive model (Q8_0 takes a second pass, tested above); a wrong mapping costs 0.1 and more.
 TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "IQ4_NL"]
 TYPES += ["IQ4_XS"]
 

@@ -20,8 +20,8 @@ bench_matmulnbits = load_script("bench_matmulnbits")  # its one-product graph
 N, K = 48, 2 * QK_K
 
 
-def run(weight, a: np.ndarray, accuracy_level: int = 0) -> np.ndarray:
-    session, _ = bench_matmulnbits.session(weight, accuracy_level, as_inputs=False, threads=1)
+def run(weight, a: np.ndarray, accuracy_level: int = 0, residual_pass: bool = False) -> np.ndarray:
+    session, _ = bench_matmulnbits.session(weight, accuracy_level, False, 1, residual_pass=residual_pass)
     return session.run(None, {"A": a})[0].astype(np.float64)
 
 
@@ -115,6 +115,27 @@ def test_int8_activations_stay_close():
     truth = dequantize(raw, QType.Q4_0).reshape(N, K).astype(np.float64)
     a = RNG.standard_normal((4, K)).astype(np.float32)
     assert relative_error(run(nbits(raw, QType.Q4_0, K), a, accuracy_level=4), a.astype(np.float64) @ truth.T) <= 2e-2
+
+
+@pytest.mark.parametrize(
+    ("qtype", "zero_points"),
+    [(QType.Q8_0, ZeroPoints.FLOAT), (QType.Q4_1, ZeroPoints.SPLIT)],  # the backend's, and one with offsets
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_a_second_int8_pass_over_the_activations_rounding_takes_its_error_out(qtype, zero_points):
+    """``residual_pass``: what rounding A to int8 left, rounded to int8 again, errs by at most 1/254 of the first
+    rounding. A row with an outlier rounds the rest of its block coarsely; a block of zeros has a step of 0."""
+    w = RNG.standard_normal((N, K)).astype(np.float32)
+    raw = quantize(w, qtype)
+    truth = dequantize(raw, qtype).reshape(N, K).astype(np.float64)
+    weight = nbits(raw, qtype, K, zero_points)
+    a = RNG.standard_normal((3, K)).astype(np.float32)
+    a[:, 5] = 40.0
+    a[1, BLOCK : 2 * BLOCK] = 0.0
+    expected = a.astype(np.float64) @ truth.T
+    one = relative_error(run(weight, a, accuracy_level=4), expected)
+    two = relative_error(run(weight, a, accuracy_level=4, residual_pass=True), expected)
+    assert two <= one / 50, f"one pass {one:.2e}, two {two:.2e}"  # measured 226x to 341x less, over three seeds
 
 
 def rounded_as_int8(a: np.ndarray, block: int) -> np.ndarray:

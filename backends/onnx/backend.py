@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 import onnxruntime as ort
+from gguf import GGMLQuantizationType as QType
 
 from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError, first_line
 from edgeinfer.models.info import ModelInfo
@@ -50,7 +51,7 @@ from ..base import (
     check_spans,
     compute_bytes,
 )
-from .activations import CALIBRATION_TOKENS, FLOAT, INT8, INT8_KLD_LIMIT, int8_kld
+from .activations import CALIBRATION_TOKENS, FLOAT, INT8, INT8_KLD_LIMIT, LOSSLESS_KLD_LIMIT, int8_kld
 from .graph_cache import (
     cached_graph,
     choosing_accuracy_level,
@@ -60,6 +61,7 @@ from .graph_cache import (
     remove_graph,
 )
 from .spec import (
+    FLOAT_TYPES,
     FOUR_BIT_TYPES,
     INPUT_IDS,
     LOGIT_ROWS,
@@ -162,7 +164,7 @@ class OnnxRuntimeBackend:
         # loading a built graph held 1.05x and 1.19x the graph on disk, building one 2.25x and 2.15x (SmolLM2,
         # Gemma 3 270M; docs/BENCHMARKS.md): a build needs about one graph more, for the load only.
         weights = graph_bytes(info)
-        level = chosen_accuracy_level(info) if _four_bit(info) else FLOAT
+        level = chosen_accuracy_level(info) if _measured(info) else FLOAT
         built = level is not None and is_built(info, GraphSpec(options.kv_type, level))
         building = 0 if built else weights  # measuring the level builds the two graphs one after the other
         return MemoryNeed(
@@ -172,8 +174,8 @@ class OnnxRuntimeBackend:
         )
 
     def __init__(self, info: ModelInfo, options: BackendOptions, *, accuracy_level: int | None = None) -> None:
-        """Load ``info``'s graph (built first if need be) with its 4-bit products at ``accuracy_level``: by default
-        the level measured for the model (``accuracy_level``)."""
+        """Load ``info``'s graph (built first if need be) at ``accuracy_level`` (``activations.py``): by default the
+        level measured for the model (``accuracy_level``)."""
         reason = self.supports(info)
         if reason is not None:
             raise BackendUnavailableError(f"the onnxruntime backend cannot run this model: {reason}")
@@ -211,10 +213,10 @@ class OnnxRuntimeBackend:
 
     @classmethod
     def accuracy_level(cls, info: ModelInfo, options: BackendOptions) -> int:
-        """MatMulNBits' accuracy level for ``info``'s 4-bit products: int8 activations where they move the model
-        little, measured at its first load (``activations.py``) and kept in the graph cache."""
-        if not _four_bit(info):
-            return FLOAT  # the level changes nothing: 8-bit codes always take int8 activations, floats none
+        """The graph's level for ``info``: int8 activations in one pass where they move the model little, measured at
+        its first load (``activations.py``) and kept in the graph cache."""
+        if not _measured(info):
+            return FLOAT  # the level changes nothing: codes of 5 and 6 bits always take one int8 pass, floats none
         chosen = chosen_accuracy_level(info)
         if chosen is not None:  # read without the lock: a cache only read (read-only, say) needs no lock file
             return chosen
@@ -224,11 +226,12 @@ class OnnxRuntimeBackend:
                 log.info("measuring whether %s can take int8 activations (once per model)", info.path.name)
                 calibration = dataclasses.replace(options, kv_tokens=CALIBRATION_TOKENS, n_seq=1)
                 kld = int8_kld(lambda at: cls(info, calibration, accuracy_level=at))
-                level = INT8 if kld <= INT8_KLD_LIMIT else FLOAT
+                limit = LOSSLESS_KLD_LIMIT if _lossless(info) else INT8_KLD_LIMIT
+                level = INT8 if kld <= limit else FLOAT
                 record_accuracy_level(info, level, kld)
                 remove_graph(info, GraphSpec(options.kv_type, FLOAT if level == INT8 else INT8))
                 log.info("%s: int8 activations move it by KLD %.1e (limit %.0e): %s", info.path.name, kld,
-                         INT8_KLD_LIMIT, "int8 kept" if level == INT8 else "float kept")  # fmt: skip
+                         limit, "int8 kept" if level == INT8 else "exact kept")  # fmt: skip
         return level
 
     # -- contract -----------------------------------------------------------------------------------
@@ -512,3 +515,14 @@ class OnnxRuntimeBackend:
 def _four_bit(info: ModelInfo) -> bool:
     """Whether ``info`` has matrices of 4-bit codes, the products whose activations can be float or int8."""
     return any(t.type in FOUR_BIT_TYPES and len(t.shape) > 1 for t in info.tensors)
+
+
+def _measured(info: ModelInfo) -> bool:
+    """Whether ``info``'s level is measured: it has 4-bit codes (float activations or int8) or Q8_0 ones (two int8
+    passes or one)."""
+    return any(t.type in (*FOUR_BIT_TYPES, QType.Q8_0) and len(t.shape) > 1 for t in info.tensors)
+
+
+def _lossless(info: ModelInfo) -> bool:
+    """Whether ``info``'s matrices are all Q8_0 or float, whose codes lose next to nothing."""
+    return all(t.type in (QType.Q8_0, *FLOAT_TYPES) for t in info.tensors if len(t.shape) > 1)

@@ -3,8 +3,8 @@
 The graph computes what ``models/reference.py`` computes, with ONNX Runtime's contrib ops for
 language models:
 
-- every quantized matrix as ``MatMulNBits`` over the file's own blocks (``weights.py``); F32, F16
-  and BF16 matrices as a float32 ``MatMul``;
+- every quantized matrix as ``MatMulNBits`` over the file's own blocks (``weights.py``), Q8_0's in
+  two int8 passes in an exact graph (``residual_pass``); F32, F16 and BF16 matrices as a float32 ``MatMul``;
 - the embedding table as ``GatherBlockQuantized`` over the same blocks (a float ``Gather`` for
   float tables), plus each block's offset where the type has one;
 - ``SimplifiedLayerNormalization`` and ``SkipSimplifiedLayerNormalization`` (the residual add and the
@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import MODEL_TENSOR
+from gguf import GGMLQuantizationType as QType
 from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from edgeinfer.models.arch import HParams, tensor_name
@@ -40,6 +41,7 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import GGUFTensors
 
+from .activations import FLOAT, INT8
 from .spec import (
     BUILDER_VERSION,
     FLOAT_TYPES,
@@ -111,10 +113,17 @@ class _Builder:
         weight = concat([nbits(self.tensors.raw(n), kind, self.tensors[n].shape[0], ZeroPoints.SPLIT) for n in names])
         # 8-bit codes have a fast kernel only for int8 activations: 72x slower without at 4096² (docs/BENCHMARKS.md).
         level = EIGHT_BIT_ACCURACY_LEVEL if weight.bits == 8 else self.spec.accuracy_level
-        nodes, arrays = matmul(weight, a, y, y, level, rank, bias)
+        nodes, arrays = matmul(weight, a, y, y, level, rank, bias, self.residual_pass(kind, level))
         self.nodes += nodes
         self.initializers += arrays
         return y
+
+    def residual_pass(self, kind: QType, level: int) -> bool:
+        """Whether a product of ``kind`` at ``level`` takes a second pass over its activations' int8 rounding
+        (``weights.matmul``): Q8_0's, in an exact graph. Q8_0's codes lose next to nothing, so int8 activations were
+        most of a Q8_0 product's error: SmolLM2's Q8_0 copy moved 6.0e-3 KLD from the reference in one pass, 1.1e-7
+        in two, at 0.6x the decode speed (docs/BENCHMARKS.md)."""
+        return kind == QType.Q8_0 and level == INT8 and self.spec.accuracy_level == FLOAT
 
     def fusable(self, names: list[str]) -> bool:
         """Whether these matrices can be stacked into one product: they share a type."""

@@ -15,8 +15,8 @@ from edgeinfer.models.arch import HParams, tensor_name
 from edgeinfer.models.info import ModelInfo
 
 # Bumped whenever the graph built from the same file changes: cached graphs of another version are rebuilt, and
-# older ones removed. 8: the IR version fixed, not the installed onnx's (14 for onnx 1.23).
-BUILDER_VERSION = 8
+# older ones removed. 9: Q8_0 products in two int8 passes (graph.py, ``residual_pass``).
+BUILDER_VERSION = 9
 # The ONNX IR version the graph declares, whichever onnx release builds it, so that its name in the cache needs no
 # onnx at load: 10, the first with opset 21, which ONNX Runtime has read since 1.20.
 IR_VERSION = 10
@@ -58,7 +58,8 @@ class GraphSpec:
     """What the graph depends on besides the file."""
 
     kv_type: str  # "f16" or "f32": the cache buffers' element type
-    accuracy_level: int  # MatMulNBits': 0 computes in float32, 4 quantizes activations to int8 as llama.cpp does
+    # 0, exact: float activations for 4-bit codes, two int8 passes for Q8_0; 4: int8 in one pass, as llama.cpp
+    accuracy_level: int
 
     @property
     def key(self) -> str:
@@ -67,9 +68,9 @@ class GraphSpec:
 
     @property
     def description(self) -> str:
-        """The spec for a person: its cache type and its 4-bit products' activations."""
-        activations = "float" if self.accuracy_level == 0 else "int8"
-        return f"{self.kv_type} cache, {activations} activations for 4-bit codes"
+        """The spec for a person: its cache type and its activations."""
+        activations = "exact" if self.accuracy_level == 0 else "int8"
+        return f"{self.kv_type} cache, {activations} activations"
 
 
 def unmapped_types(info: ModelInfo) -> list[str]:

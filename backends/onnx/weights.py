@@ -25,7 +25,8 @@ first: element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in its high
 - Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL and IQ4_XS have codes of 2 to 6 bits or (IQ4_NL's 16
   non-linear levels) up to 8 bits: they become 8-bit codes about the default zero point 128, exact,
   with their blocks' scales and offsets (Q6_K, Q2_K and Q3_K in blocks of 16). MatMulNBits runs
-  8-bit codes fast only with ``accuracy_level`` 4.
+  8-bit codes fast only with ``accuracy_level`` 4, whose rounding of the activations ``matmul``'s
+  ``residual_pass`` takes out again at the cost of a second product.
 
 Codes sit about their zero point wherever a type has offsets too (the middle of their range moves
 into the offsets): with int8 activations (``accuracy_level`` 4) a product's error grows with its
@@ -46,6 +47,7 @@ from gguf.constants import QK_K
 from gguf.quants import Q4_K, dequantize
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
+from .activations import INT8
 from .spec import NBITS_TYPES
 
 BLOCK = 32  # elements in a block of the 32-element types, and in a K-quant's sub-blocks (Q6_K's: 16)
@@ -280,10 +282,25 @@ def _f16(pairs: np.ndarray) -> np.ndarray:
 
 
 def matmul(
-    weight: NBits, a: str, y: str, name: str, accuracy_level: int, rank: int = 2, bias: np.ndarray | None = None
+    weight: NBits,
+    a: str,
+    y: str,
+    name: str,
+    accuracy_level: int,
+    rank: int = 2,
+    bias: np.ndarray | None = None,
+    residual_pass: bool = False,
 ) -> tuple[list[NodeProto], list[TensorProto]]:
     """The nodes computing ``y = a @ W.T (+ bias)`` for float32 ``a`` of ``rank`` dimensions, the last ``k``, and
-    their initializers (named after ``name``)."""
+    their initializers (named after ``name``).
+
+    ``residual_pass`` (int8 activations only) adds a second product over what rounding ``a`` to int8 left. int8
+    activations round each block of ``a`` to a step of its largest magnitude / 127, an error of up to half a step
+    an element; the second pass's rounding of that residual errs by up to 1/254 of that. Each pass reads the
+    weights once, so it costs about a second product. Where MLAS rounds an element otherwise than the graph (a
+    tie, the last bit of a step), that element keeps one pass's error."""
+    if residual_pass and accuracy_level != INT8:
+        raise ValueError("a residual pass takes out int8 activations' rounding: accuracy_level 4 only")
     arrays = {f"{name}.codes": weight.codes, f"{name}.scales": weight.scales}
     if weight.zero_points is not None:
         arrays[f"{name}.zero_points"] = weight.zero_points
@@ -295,29 +312,52 @@ def matmul(
         optional.pop()
     inputs = [a, f"{name}.codes", f"{name}.scales", *optional]
     product = y if weight.offsets is None else f"{name}.codes_product"
-    nodes = [
-        helper.make_node(
-            "MatMulNBits",
-            inputs,
-            [product],
-            name=name,
-            domain="com.microsoft",
-            K=weight.k,
-            N=weight.n,
-            bits=weight.bits,
-            block_size=weight.block_size,
-            accuracy_level=accuracy_level,
-        )
-    ]
-    if weight.offsets is not None:
-        # Each block's offset times the sum of the block's inputs: a product 32 times smaller than W's.
-        blocks = weight.k // weight.block_size
-        # 0: a's leading dimensions, as they are
+    attributes = {
+        "domain": "com.microsoft",
+        "K": weight.k,
+        "N": weight.n,
+        "bits": weight.bits,
+        "block_size": weight.block_size,
+        "accuracy_level": accuracy_level,
+    }
+    blocks = weight.k // weight.block_size
+    nodes = []
+    if residual_pass or weight.offsets is not None:  # both take a a block at a time
         arrays[f"{name}.block_shape"] = np.array([0] * (rank - 1) + [blocks, weight.block_size], np.int64)
         arrays[f"{name}.reduce_axes"] = np.array([-1], np.int64)
+        nodes.append(helper.make_node("Reshape", [a, f"{name}.block_shape"], [f"{name}.a_blocks"]))
+    if not residual_pass:
+        nodes.append(helper.make_node("MatMulNBits", inputs, [product], name=name, **attributes))
+    else:
+        arrays[f"{name}.inverse_127"] = np.array(1 / 127, np.float32)
+        zero_points = [key for key in optional[:1] if key]
+        residual_inputs = [f"{name}.residual", *inputs[1:3], *zero_points]  # the bias is the first pass's
+        rounding = {"axis": -1, "block_size": weight.block_size}
+        nodes += [
+            helper.make_node("MatMulNBits", inputs, [f"{name}.first_pass"], name=name, **attributes),
+            helper.make_node("Abs", [f"{name}.a_blocks"], [f"{name}.a_magnitudes"]),
+            helper.make_node(
+                "ReduceMax", [f"{name}.a_magnitudes", f"{name}.reduce_axes"], [f"{name}.a_largest"], keepdims=0
+            ),
+            # The int8 step of each block: its largest magnitude / 127, as MLAS rounds. A block of zeros has step
+            # 0, where the rounded block is 0 * step = 0 whatever the codes, and so is its residual.
+            helper.make_node("Mul", [f"{name}.a_largest", f"{name}.inverse_127"], [f"{name}.a_step"]),
+            helper.make_node(
+                "QuantizeLinear", [a, f"{name}.a_step"], [f"{name}.a_int8"], output_dtype=TensorProto.INT8, **rounding
+            ),
+            helper.make_node(
+                "DequantizeLinear", [f"{name}.a_int8", f"{name}.a_step"], [f"{name}.a_rounded"], **rounding
+            ),
+            helper.make_node("Sub", [a, f"{name}.a_rounded"], [f"{name}.residual"]),
+            helper.make_node(
+                "MatMulNBits", residual_inputs, [f"{name}.second_pass"], name=f"{name}.second_pass", **attributes
+            ),
+            helper.make_node("Add", [f"{name}.first_pass", f"{name}.second_pass"], [product]),
+        ]
+    if weight.offsets is not None:
+        # Each block's offset times the sum of the block's inputs: a product 32 times smaller than W's.
         arrays[f"{name}.offsets"] = np.ascontiguousarray(weight.offsets.T)
         nodes += [
-            helper.make_node("Reshape", [a, f"{name}.block_shape"], [f"{name}.a_blocks"]),
             helper.make_node(
                 "ReduceSum", [f"{name}.a_blocks", f"{name}.reduce_axes"], [f"{name}.block_sums"], keepdims=0
             ),
