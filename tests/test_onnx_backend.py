@@ -67,7 +67,7 @@ def smollm2_copies(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
 def test_f32_and_q8_0_copies_of_smollm2_agree_with_the_reference_over_512_tokens(smollm2_copies, kind):
     """Issue 17's bound: top-1 >= 99% and mean KLD <= 0.001, with an f16 cache, the coarser of its two (the default
     is f32). Measured: F32 1.4e-7, 100%; Q8_0 1.2e-6, 100%. The Q8_0 copy's first load finds that one int8 pass
-    moves it too far (3.3e-3 over the calibration text) and keeps two: in one, as llama.cpp computes it, SmolLM2 lost
+    moves it too far (2.9e-3 over the calibration text) and keeps two: in one, as llama.cpp computes it, SmolLM2 lost
     2.65e-3, 96.9% here (llama.cpp 2.57e-3 to 2.76e-3)."""
     tokens, copies = smollm2_copies
     info, truth = copies[kind]
@@ -208,7 +208,7 @@ def test_int8_activations_are_kept_only_for_a_model_they_move_little(
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         assert OnnxRuntimeBackend.accuracy_level(info, options()) == chosen
     (said,) = [r.message for r in caplog.records if "int8 activations move it" in r.message]
-    assert ("int8 kept" if chosen == INT8 else "exact kept") in said
+    assert f"{GraphSpec('f16', chosen).activations} kept" in said
     other = INT8 if chosen == FLOAT else FLOAT
     assert graph_path(info, GraphSpec("f16", chosen)).exists()
     assert not graph_path(info, GraphSpec("f16", other)).exists()  # measured with, then removed: no disk spent
@@ -218,9 +218,9 @@ def test_int8_activations_are_kept_only_for_a_model_they_move_little(
         truth = logits_of(ReferenceBackend, info, TOKENS, "f32")
         ours = logits_of(OnnxRuntimeBackend, info, TOKENS, "f32")  # another KV type: only its graph is built
     assert not any("measuring" in r.message for r in caplog.records)  # the choice is kept, not made again
-    # Exact: float activations compute what the file holds; two int8 passes come within 1/254 of one pass's
-    # rounding, which these outliers make coarse (measured: 4.8e-5).
-    exact = 1e-6 if tensor_type == "Q4_0" else 1e-4
+    # Float activations compute what the file holds; two int8 passes leave about 1/250 of one pass's error, which
+    # these outliers make large (measured: 4.8e-5, the second pass's own rounding more than the kernels' sums).
+    exact = 1e-6 if tensor_type == "Q4_0" else 3e-4
     assert kld(truth, ours) <= (INT8_KLD_LIMIT if chosen == INT8 else exact)
 
     record = next((tmp_path / "cache" / "onnx").glob("*-activations.json"))

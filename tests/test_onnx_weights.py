@@ -125,17 +125,35 @@ def test_int8_activations_stay_close():
 def test_a_second_int8_pass_over_the_activations_rounding_takes_its_error_out(qtype, zero_points):
     """``residual_pass``: what rounding A to int8 left, rounded to int8 again, errs by at most 1/254 of the first
     rounding. A row with an outlier rounds the rest of its block coarsely; a block of zeros has a step of 0."""
-    w = RNG.standard_normal((N, K)).astype(np.float32)
+    rng = np.random.default_rng(254)  # its own: the bound's margin does not hang on the tests run before
+    w = rng.standard_normal((N, K)).astype(np.float32)
     raw = quantize(w, qtype)
     truth = dequantize(raw, qtype).reshape(N, K).astype(np.float64)
     weight = nbits(raw, qtype, K, zero_points)
-    a = RNG.standard_normal((3, K)).astype(np.float32)
+    a = rng.standard_normal((3, K)).astype(np.float32)
     a[:, 5] = 40.0
     a[1, BLOCK : 2 * BLOCK] = 0.0
     expected = a.astype(np.float64) @ truth.T
     one = relative_error(run(weight, a, accuracy_level=4), expected)
     two = relative_error(run(weight, a, accuracy_level=4, residual_pass=True), expected)
     assert two <= one / 50, f"one pass {one:.2e}, two {two:.2e}"  # measured 226x to 341x less, over three seeds
+
+
+def test_two_passes_hold_where_the_kernel_keeps_float_activations():
+    """A kernel may keep float activations at accuracy level 4: MLAS has no int8 one for Q4_1's float zero points
+    (a provider may have none at all). The first pass takes A already rounded, so the two passes still sum to the
+    product; taking A whole there added the rounding's error back (5.8e-3)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    raw = quantize(w, QType.Q4_1)
+    truth = dequantize(raw, QType.Q4_1).reshape(N, K).astype(np.float64)
+    weight = nbits(raw, QType.Q4_1, K, ZeroPoints.FLOAT)
+    a = rng.standard_normal((3, K)).astype(np.float32)
+    expected = a.astype(np.float64) @ truth.T
+    one = relative_error(run(weight, a, accuracy_level=4), expected)
+    if one > 1e-5:
+        pytest.skip(f"this onnxruntime rounds Q4_1's float zero points' activations to int8 ({one:.1e})")
+    assert relative_error(run(weight, a, accuracy_level=4, residual_pass=True), expected) <= 1e-5
 
 
 def rounded_as_int8(a: np.ndarray, block: int) -> np.ndarray:

@@ -29,9 +29,11 @@ from typing import ClassVar
 
 import numpy as np
 import onnxruntime as ort
+from gguf import MODEL_TENSOR
 from gguf import GGMLQuantizationType as QType
 
 from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError, first_line
+from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import open_tensors
@@ -216,7 +218,7 @@ class OnnxRuntimeBackend:
         """The graph's level for ``info``: int8 activations in one pass where they move the model little, measured at
         its first load (``activations.py``) and kept in the graph cache."""
         if not _measured(info):
-            return FLOAT  # the level changes nothing: codes of 5 and 6 bits always take one int8 pass, floats none
+            return FLOAT  # the level changes nothing: other 8-bit codes always take one int8 pass, floats none
         chosen = chosen_accuracy_level(info)
         if chosen is not None:  # read without the lock: a cache only read (read-only, say) needs no lock file
             return chosen
@@ -230,8 +232,8 @@ class OnnxRuntimeBackend:
                 level = INT8 if kld <= limit else FLOAT
                 record_accuracy_level(info, level, kld)
                 remove_graph(info, GraphSpec(options.kv_type, FLOAT if level == INT8 else INT8))
-                log.info("%s: int8 activations move it by KLD %.1e (limit %.0e): %s", info.path.name, kld,
-                         limit, "int8 kept" if level == INT8 else "exact kept")  # fmt: skip
+                log.info("%s: int8 activations move it by KLD %.1e (limit %.0e): %s kept", info.path.name, kld,
+                         limit, GraphSpec(options.kv_type, level).activations)  # fmt: skip
         return level
 
     # -- contract -----------------------------------------------------------------------------------
@@ -512,17 +514,24 @@ class OnnxRuntimeBackend:
             raise BackendError("this onnxruntime backend is closed (its engine was closed); create a new Engine")
 
 
+def _product_types(info: ModelInfo) -> set[QType]:
+    """The types of the matrices ``info``'s graph multiplies by: every matrix but an embedding table that is not
+    also the head (its rows are gathered)."""
+    embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+    return {t.type for t in info.tensors if len(t.shape) > 1 and (t.name != embedding or info.hparams.tied_embeddings)}
+
+
 def _four_bit(info: ModelInfo) -> bool:
-    """Whether ``info`` has matrices of 4-bit codes, the products whose activations can be float or int8."""
-    return any(t.type in FOUR_BIT_TYPES and len(t.shape) > 1 for t in info.tensors)
+    """Whether ``info`` has products of 4-bit codes, whose activations can be float or int8."""
+    return not _product_types(info).isdisjoint(FOUR_BIT_TYPES)
 
 
 def _measured(info: ModelInfo) -> bool:
-    """Whether ``info``'s level is measured: it has 4-bit codes (float activations or int8) or Q8_0 ones (two int8
-    passes or one)."""
-    return any(t.type in (*FOUR_BIT_TYPES, QType.Q8_0) and len(t.shape) > 1 for t in info.tensors)
+    """Whether ``info``'s level is measured: it has products of 4-bit codes (float activations or int8) or of Q8_0
+    (two int8 passes or one)."""
+    return not _product_types(info).isdisjoint({*FOUR_BIT_TYPES, QType.Q8_0})
 
 
 def _lossless(info: ModelInfo) -> bool:
-    """Whether ``info``'s matrices are all Q8_0 or float, whose codes lose next to nothing."""
-    return all(t.type in (QType.Q8_0, *FLOAT_TYPES) for t in info.tensors if len(t.shape) > 1)
+    """Whether ``info``'s products are all Q8_0 or float, whose codes lose next to nothing."""
+    return _product_types(info) <= {QType.Q8_0, *FLOAT_TYPES}

@@ -12,8 +12,8 @@ both, written last, is what makes them a graph. A pair whose bytes no longer mat
 damaged, or half written by a crash) is rebuilt, never loaded. One process builds a graph at a
 time: another that needs it waits on a lock file beside it, then loads what the first built.
 
-The accuracy level measured for a model's 4-bit products (``activations.py``) is kept here too,
-keyed by the GGUF's hash and the builder's version.
+The accuracy level measured for a model (``activations.py``) is kept here too, keyed by the GGUF's
+hash and the builder's version.
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ def _activations_path(info: ModelInfo) -> Path:
 
 
 def chosen_accuracy_level(info: ModelInfo) -> int | None:
-    """The accuracy level measured for ``info``'s 4-bit products, or None if it has not been measured (or its
-    record is unreadable, which measures it again)."""
+    """The accuracy level measured for ``info``, or None if it has not been measured (or its record is unreadable,
+    which measures it again)."""
     try:
         level = json.loads(_activations_path(info).read_bytes())["accuracy_level"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):  # the last: brackets nested past Python's

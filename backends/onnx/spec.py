@@ -21,6 +21,11 @@ BUILDER_VERSION = 9
 # onnx at load: 10, the first with opset 21, which ONNX Runtime has read since 1.20.
 IR_VERSION = 10
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+# MatMulNBits' accuracy levels, and the graph's (GraphSpec.accuracy_level): FLOAT computes in float32 (the graph's
+# level: float activations for 4-bit codes, two int8 passes for Q8_0), INT8 rounds activations to int8 a block at a
+# time (the graph's: one pass, as llama.cpp computes).
+FLOAT = 0
+INT8 = 4
 FOUR_BIT_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q4_K)  # MatMulNBits' 4-bit codes; the other types become 8-bit
 # The types ``nbits`` maps.
 NBITS_TYPES = (
@@ -58,8 +63,7 @@ class GraphSpec:
     """What the graph depends on besides the file."""
 
     kv_type: str  # "f16" or "f32": the cache buffers' element type
-    # 0, exact: float activations for 4-bit codes, two int8 passes for Q8_0; 4: int8 in one pass, as llama.cpp
-    accuracy_level: int
+    accuracy_level: int  # FLOAT or INT8
 
     @property
     def key(self) -> str:
@@ -69,8 +73,14 @@ class GraphSpec:
     @property
     def description(self) -> str:
         """The spec for a person: its cache type and its activations."""
-        activations = "exact" if self.accuracy_level == 0 else "int8"
-        return f"{self.kv_type} cache, {activations} activations"
+        return f"{self.kv_type} cache, {self.activations}"
+
+    @property
+    def activations(self) -> str:
+        """Its products' activations, for a person."""
+        if self.accuracy_level == FLOAT:
+            return "float activations for 4-bit codes, two int8 passes for Q8_0"
+        return "int8 activations"
 
 
 def unmapped_types(info: ModelInfo) -> list[str]:

@@ -47,8 +47,7 @@ from gguf.constants import QK_K
 from gguf.quants import Q4_K, dequantize
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-from .activations import INT8
-from .spec import NBITS_TYPES
+from .spec import INT8, NBITS_TYPES
 
 BLOCK = 32  # elements in a block of the 32-element types, and in a K-quant's sub-blocks (Q6_K's: 16)
 K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # 256-element super-blocks
@@ -294,11 +293,12 @@ def matmul(
     """The nodes computing ``y = a @ W.T (+ bias)`` for float32 ``a`` of ``rank`` dimensions, the last ``k``, and
     their initializers (named after ``name``).
 
-    ``residual_pass`` (int8 activations only) adds a second product over what rounding ``a`` to int8 left. int8
-    activations round each block of ``a`` to a step of its largest magnitude / 127, an error of up to half a step
-    an element; the second pass's rounding of that residual errs by up to 1/254 of that. Each pass reads the
-    weights once, so it costs about a second product. Where MLAS rounds an element otherwise than the graph (a
-    tie, the last bit of a step), that element keeps one pass's error."""
+    ``residual_pass`` (int8 activations only) computes the product in two passes: of ``a`` rounded as int8
+    activations round it, each block to steps of its largest magnitude / 127, and of what that rounding left. The
+    rounded part is on int8's grid already, so the kernel's own rounding of it changes nothing, and a kernel that
+    keeps float activations (a provider, or a platform without an int8 one) computes it as it is; the residual's
+    own rounding errs by at most 1/254 of the first one's. Each pass reads the weights once: about a second
+    product's cost, for about 1/250 of one pass's error (``tests/test_onnx_weights.py``)."""
     if residual_pass and accuracy_level != INT8:
         raise ValueError("a residual pass takes out int8 activations' rounding: accuracy_level 4 only")
     arrays = {f"{name}.codes": weight.codes, f"{name}.scales": weight.scales}
@@ -334,12 +334,11 @@ def matmul(
         residual_inputs = [f"{name}.residual", *inputs[1:3], *zero_points]  # the bias is the first pass's
         rounding = {"axis": -1, "block_size": weight.block_size}
         nodes += [
-            helper.make_node("MatMulNBits", inputs, [f"{name}.first_pass"], name=name, **attributes),
             helper.make_node("Abs", [f"{name}.a_blocks"], [f"{name}.a_magnitudes"]),
             helper.make_node(
                 "ReduceMax", [f"{name}.a_magnitudes", f"{name}.reduce_axes"], [f"{name}.a_largest"], keepdims=0
             ),
-            # The int8 step of each block: its largest magnitude / 127, as MLAS rounds. A block of zeros has step
+            # The int8 step of each block: its largest magnitude / 127, as MLAS takes it. A block of zeros has step
             # 0, where the rounded block is 0 * step = 0 whatever the codes, and so is its residual.
             helper.make_node("Mul", [f"{name}.a_largest", f"{name}.inverse_127"], [f"{name}.a_step"]),
             helper.make_node(
@@ -349,6 +348,9 @@ def matmul(
                 "DequantizeLinear", [f"{name}.a_int8", f"{name}.a_step"], [f"{name}.a_rounded"], **rounding
             ),
             helper.make_node("Sub", [a, f"{name}.a_rounded"], [f"{name}.residual"]),
+            helper.make_node(
+                "MatMulNBits", [f"{name}.a_rounded", *inputs[1:]], [f"{name}.first_pass"], name=name, **attributes
+            ),
             helper.make_node(
                 "MatMulNBits", residual_inputs, [f"{name}.second_pass"], name=f"{name}.second_pass", **attributes
             ),
