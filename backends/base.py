@@ -54,6 +54,7 @@ class Device:
     free_bytes: int | None = None  # the device's own memory; None for the CPU (host RAM is checked instead)
     total_bytes: int | None = None
     emulated: bool = False  # a GPU's interface run on the CPU (Mesa's lavapipe): auto passes it over
+    aliases: tuple[str, ...] = ()  # other names it answers to, whole: ONNX Runtime's own for the CPU
 
     @property
     def has_own_memory(self) -> bool:
@@ -228,9 +229,12 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
         )
     devices = backend.devices()
     names = [d.name for d in devices]
+    aliased = {alias.lower(): d.name for d in devices for alias in d.aliases}
     wanted, place = options.device, place_in_list(options.device)
     if wanted.strip().lower() == CPU:
         options = dataclasses.replace(options, device=CPU)
+    elif wanted.strip().lower() in aliased:
+        options = dataclasses.replace(options, device=aliased[wanted.strip().lower()])
     elif place is not None:  # an index, never a part of a name
         if wanted not in names and place < len(devices) - 1:
             options = dataclasses.replace(options, device=names[place + 1])

@@ -553,6 +553,7 @@ def test_info_lists_every_execution_provider_and_a_device_is_named_by_a_part_of_
         part = provider.removesuffix("ExecutionProvider").lower()
         assert check_options(OnnxRuntimeBackend, options(device=part)).device == provider
     assert check_options(OnnxRuntimeBackend, options(device="CPU")).device == "cpu"  # not "falling back to the CPU"
+    assert check_options(OnnxRuntimeBackend, options(device="CPUExecutionProvider")).device == "cpu"  # its own name
     for refused in (str(len(computing)), "no such provider", "azure"):  # an index past the last
         with pytest.raises(InvalidOptionError, match="has no device"):
             check_options(OnnxRuntimeBackend, options(device=refused))

@@ -151,7 +151,7 @@ class OnnxRuntimeBackend:
         """The CPU, then every other execution provider the installed onnxruntime offers, by its own name: those
         that compute here (Azure's sends a request to a cloud endpoint, which this backend's graph is not for)."""
         others = [name for name in ort.get_available_providers() if name not in (CPU_PROVIDER, REMOTE_PROVIDER)]
-        return [Device(CPU, "the CPU, through ONNX Runtime's CPU execution provider")] + [
+        return [Device(CPU, "the CPU, through ONNX Runtime's CPU execution provider", aliases=(CPU_PROVIDER,))] + [
             Device(name, f"ONNX Runtime's {name}, falling back to the CPU for what it cannot run") for name in others
         ]
 
