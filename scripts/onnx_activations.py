@@ -19,7 +19,7 @@ from pathlib import Path
 
 from edgeinfer.backends.base import BackendOptions
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
-from edgeinfer.backends.onnx.spec import GraphSpec
+from edgeinfer.backends.onnx.spec import activations
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.models.catalog import resolve_model
 from edgeinfer.models.info import load_model_info
@@ -46,7 +46,7 @@ def main() -> None:
             records = list(Path(cache, "onnx").glob("*-activations.json"))
             kld = json.loads(records[0].read_text())["int8_kld"] if records else None
         measured = "not measured: no 4-bit or Q8_0 codes" if kld is None else f"int8 KLD from the other {kld:.1e}"
-        print(f"{info.path.name}: {measured}, {GraphSpec('f32', level).activations}; measuring took {took:.1f} s")
+        print(f"{info.path.name}: {measured}, {activations(info, level)}; measuring took {took:.1f} s")
 
 
 if __name__ == "__main__":

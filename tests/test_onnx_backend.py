@@ -28,7 +28,7 @@ from edgeinfer.backends.onnx import graph
 from edgeinfer.backends.onnx.activations import FLOAT, INT8, INT8_KLD_LIMIT
 from edgeinfer.backends.onnx.backend import OnnxRuntimeBackend
 from edgeinfer.backends.onnx.graph_cache import cached_graph, chosen_accuracy_level, graph_path, weights_path
-from edgeinfer.backends.onnx.spec import BUILDER_VERSION, GraphSpec
+from edgeinfer.backends.onnx.spec import BUILDER_VERSION, GraphSpec, activations
 from edgeinfer.backends.reference import ReferenceBackend
 from edgeinfer.models.info import ModelInfo, load_model_info
 from edgeinfer.tokenizer import Tokenizer
@@ -95,6 +95,10 @@ def test_an_exact_graph_takes_every_q8_0_product_in_two_int8_passes_and_an_int8_
     products = 4 * info.hparams.n_layer + 1  # Q, K and V in one, the attention's output, gate and up, down; the head
     assert residual_passes(info, FLOAT) == (products, products)
     assert residual_passes(info, INT8) == (products, 0)
+    # As the first load's line and the build's progress say it, for what the file holds.
+    assert activations(info, FLOAT) == "two int8 passes for Q8_0" and activations(info, INT8) == "int8 activations"
+    f32 = load_model_info(write_tiny_gguf(tmp_path / "f32.gguf"))
+    assert activations(f32, FLOAT) == "float activations"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: Q, K and V have biases, added once
@@ -208,7 +212,7 @@ def test_int8_activations_are_kept_only_for_a_model_they_move_little(
     with caplog.at_level(logging.INFO, logger="edgeinfer.backends.onnx"):
         assert OnnxRuntimeBackend.accuracy_level(info, options()) == chosen
     (said,) = [r.message for r in caplog.records if "int8 activations move it" in r.message]
-    assert f"{GraphSpec('f16', chosen).activations} kept" in said
+    assert f"{activations(info, chosen)} kept" in said
     other = INT8 if chosen == FLOAT else FLOAT
     assert graph_path(info, GraphSpec("f16", chosen)).exists()
     assert not graph_path(info, GraphSpec("f16", other)).exists()  # measured with, then removed: no disk spent

@@ -29,11 +29,9 @@ from typing import ClassVar
 
 import numpy as np
 import onnxruntime as ort
-from gguf import MODEL_TENSOR
 from gguf import GGMLQuantizationType as QType
 
 from edgeinfer.errors import BackendError, BackendUnavailableError, InvalidOptionError, first_line
-from edgeinfer.models.arch import tensor_name
 from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.reference import Transformer
 from edgeinfer.models.tensors import open_tensors
@@ -72,9 +70,11 @@ from .spec import (
     SEQLENS_K,
     TOTAL_LENGTH,
     GraphSpec,
+    activations,
     graph_bytes,
     past_names,
     present_names,
+    product_types,
     rope_positions,
     unmapped_types,
 )
@@ -233,7 +233,7 @@ class OnnxRuntimeBackend:
                 record_accuracy_level(info, level, kld)
                 remove_graph(info, GraphSpec(options.kv_type, FLOAT if level == INT8 else INT8))
                 log.info("%s: int8 activations move it by KLD %.1e (limit %.0e): %s kept", info.path.name, kld,
-                         limit, GraphSpec(options.kv_type, level).activations)  # fmt: skip
+                         limit, activations(info, level))  # fmt: skip
         return level
 
     # -- contract -----------------------------------------------------------------------------------
@@ -514,24 +514,17 @@ class OnnxRuntimeBackend:
             raise BackendError("this onnxruntime backend is closed (its engine was closed); create a new Engine")
 
 
-def _product_types(info: ModelInfo) -> set[QType]:
-    """The types of the matrices ``info``'s graph multiplies by: every matrix but an embedding table that is not
-    also the head (its rows are gathered)."""
-    embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
-    return {t.type for t in info.tensors if len(t.shape) > 1 and (t.name != embedding or info.hparams.tied_embeddings)}
-
-
 def _four_bit(info: ModelInfo) -> bool:
     """Whether ``info`` has products of 4-bit codes, whose activations can be float or int8."""
-    return not _product_types(info).isdisjoint(FOUR_BIT_TYPES)
+    return not product_types(info).isdisjoint(FOUR_BIT_TYPES)
 
 
 def _measured(info: ModelInfo) -> bool:
     """Whether ``info``'s level is measured: it has products of 4-bit codes (float activations or int8) or of Q8_0
     (two int8 passes or one)."""
-    return not _product_types(info).isdisjoint({*FOUR_BIT_TYPES, QType.Q8_0})
+    return not product_types(info).isdisjoint({*FOUR_BIT_TYPES, QType.Q8_0})
 
 
 def _lossless(info: ModelInfo) -> bool:
     """Whether ``info``'s products are all Q8_0 or float, whose codes lose next to nothing."""
-    return _product_types(info) <= {QType.Q8_0, *FLOAT_TYPES}
+    return product_types(info) <= {QType.Q8_0, *FLOAT_TYPES}

@@ -39,8 +39,7 @@ from edgeinfer.models.info import ModelInfo
 from edgeinfer.models.tensors import open_tensors
 from edgeinfer.system import cache_dir
 
-from .activations import FLOAT, INT8
-from .spec import BUILDER_VERSION, GraphSpec
+from .spec import BUILDER_VERSION, FLOAT, INT8, GraphSpec
 
 if TYPE_CHECKING:
     import onnx
@@ -138,7 +137,7 @@ def _build(info: ModelInfo, spec: GraphSpec, path: Path) -> None:
 
     try:
         with open_tensors(info) as tensors:
-            model = build_graph(info, tensors, spec, _progress(info.path.name, spec))
+            model = build_graph(info, tensors, spec, _progress(info, spec))
         built = [folder / f.name for f in files]
         try:
             _save(model, *built)
@@ -275,12 +274,14 @@ def _unwritable(path: Path, exc: OSError) -> InvalidOptionError:
     )
 
 
-def _progress(name: str, spec: GraphSpec):
+def _progress(info: ModelInfo, spec: GraphSpec):
+    described = spec.describe(info)
+
     def report(done: int, total: int) -> None:
         log.info(
             "building the ONNX graph of %s (%s): layer %d of %d",
-            name,
-            spec.description,
+            info.path.name,
+            described,
             done,
             total,
             extra={"progress": done < total},  # rewritten in place on a terminal (edgeinfer/notes.py)

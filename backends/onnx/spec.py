@@ -70,17 +70,33 @@ class GraphSpec:
         """A name part for the cached graph."""
         return f"kv{self.kv_type}-acc{self.accuracy_level}"
 
-    @property
-    def description(self) -> str:
-        """The spec for a person: its cache type and its activations."""
-        return f"{self.kv_type} cache, {self.activations}"
+    def describe(self, info: ModelInfo) -> str:
+        """The spec of ``info``'s graph for a person: its cache type and its products' activations."""
+        return f"{self.kv_type} cache, {activations(info, self.accuracy_level)}"
 
-    @property
-    def activations(self) -> str:
-        """Its products' activations, for a person."""
-        if self.accuracy_level == FLOAT:
-            return "float activations for 4-bit codes, two int8 passes for Q8_0"
+
+def product_types(info: ModelInfo) -> set[QType]:
+    """The types of the matrices ``info``'s graph multiplies by: every matrix but an embedding table that is not
+    also the head (its rows are gathered)."""
+    embedding = tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+    return {t.type for t in info.tensors if len(t.shape) > 1 and (t.name != embedding or info.hparams.tied_embeddings)}
+
+
+def activations(info: ModelInfo, level: int) -> str:
+    """What ``info``'s graph at ``level`` does with its products' activations, for a person."""
+    if level == INT8:
         return "int8 activations"
+    types = product_types(info)
+    parts = [
+        part
+        for part, present in (
+            ("float activations for 4-bit codes", not types.isdisjoint(FOUR_BIT_TYPES)),
+            ("two int8 passes for Q8_0", QType.Q8_0 in types),
+            ("int8 activations for other codes", bool(types - {*FOUR_BIT_TYPES, QType.Q8_0, *FLOAT_TYPES})),
+        )
+        if present
+    ]
+    return ", ".join(parts) or "float activations"
 
 
 def unmapped_types(info: ModelInfo) -> list[str]:
