@@ -4,7 +4,7 @@ The graph computes what ``models/reference.py`` computes, with ONNX Runtime's co
 language models:
 
 - every quantized matrix as ``MatMulNBits`` over the file's own blocks (``weights.py``), Q8_0's in
-  two int8 passes in an exact graph (``residual_pass``); F32, F16 and BF16 matrices as a float32 ``MatMul``;
+  two int8 passes at the FLOAT level (``residual_pass``); F32, F16 and BF16 matrices as a float32 ``MatMul``;
 - the embedding table as ``GatherBlockQuantized`` over the same blocks (a float ``Gather`` for
   float tables), plus each block's offset where the type has one;
 - ``SimplifiedLayerNormalization`` and ``SkipSimplifiedLayerNormalization`` (the residual add and the
@@ -121,7 +121,7 @@ class _Builder:
 
     def residual_pass(self, kind: QType, level: int) -> bool:
         """Whether a product of ``kind`` at ``level`` takes a second pass over its activations' int8 rounding
-        (``weights.matmul``): Q8_0's, in an exact graph. Q8_0's codes lose next to nothing, so int8 activations were
+        (``weights.matmul``): Q8_0's, at the FLOAT level. Q8_0's codes lose next to nothing, so int8 activations were
         most of a Q8_0 product's error: SmolLM2's Q8_0 copy moved 6.0e-3 KLD from the reference in one pass, 6.8e-8
         in two, at 0.6x the decode speed (docs/BENCHMARKS.md)."""
         return kind == QType.Q8_0 and level == INT8 and self.spec.accuracy_level == FLOAT
