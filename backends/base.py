@@ -231,10 +231,11 @@ def check_options(backend: type[Backend], options: BackendOptions) -> BackendOpt
     names = [d.name for d in devices]
     aliased = {alias.lower(): d.name for d in devices for alias in d.aliases}
     wanted, place = options.device, place_in_list(options.device)
-    if wanted.strip().lower() == CPU:
+    spoken = wanted.strip().lower()  # how the CPU and aliases are matched: whole, in any case
+    if spoken == CPU:
         options = dataclasses.replace(options, device=CPU)
-    elif wanted.strip().lower() in aliased:
-        options = dataclasses.replace(options, device=aliased[wanted.strip().lower()])
+    elif spoken in aliased:
+        options = dataclasses.replace(options, device=aliased[spoken])
     elif place is not None:  # an index, never a part of a name
         if wanted not in names and place < len(devices) - 1:
             options = dataclasses.replace(options, device=names[place + 1])

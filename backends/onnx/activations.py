@@ -14,9 +14,9 @@ rounding left, which leaves about 1/250 of one pass's error (``weights.matmul``'
 Other 8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS), whose own rounding is coarser,
 take one int8 pass at either level. Each model with 4-bit codes or Q8_0 ones is measured at its first
 load: ``CALIBRATION_TOKENS`` of its own text (a few random tokens, then what the ``FLOAT`` graph writes
-after them with the engine's
-default sampling) are scored by both graphs, and int8 is kept where the mean KLD between them is at
-most ``INT8_KLD_LIMIT``, or ``LOSSLESS_KLD_LIMIT`` for a file whose matrices lose next to nothing.
+after them with the engine's default sampling) are scored by both graphs, and int8 is kept where the
+mean KLD between them is at most ``INT8_KLD_LIMIT``, or ``LOSSLESS_KLD_LIMIT`` for a file whose
+matrices lose next to nothing.
 Over 2,048 tokens of kjv-genesis, int8 moves SmolLM2 Q4_1 6.55e-3 and Gemma 3 270M Q4_K_M 1.2e-2
 from float, where llama.cpp's own int8 activations move them 4.8e-3 and 1.7e-2; one 64-token
 calibration text measured 6.5e-3 and 5.2e-3 on average over 8 seeds, at most 1.8e-2
